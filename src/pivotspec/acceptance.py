@@ -1,0 +1,89 @@
+"""Acceptance policies: which draft tokens to keep beyond what lossless SD keeps.
+
+The decoding loop computes the lossless SD decision itself (``sd_ok``) and asks the policy for an
+*override* mask: positions SD rejected that the policy accepts anyway. A draft position is kept when
+``sd_ok or override``; the longest kept prefix is emitted. ``Lossless`` never overrides, so every
+policy built on this interface reduces to exact SD when its override is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pivotspec.errors import UsageError
+
+# scores (hidden [g, d] or None, target_probs [g, V], draft_tokens [g], draft_probs [g, V]) -> pivot prob [g]
+Classifier = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Verification:
+    """Everything one verification step knows about the ``g`` draft tokens it checks."""
+
+    draft_tokens: torch.Tensor  # [g] token ids
+    p: torch.Tensor  # [g + 1, V] target decoding distributions (after temperature / top-k / top-p)
+    q: torch.Tensor  # [g, V] draft decoding distributions
+    p_raw: torch.Tensor  # [g + 1, V] target softmax at T = 1 (classifier features)
+    q_raw: torch.Tensor  # [g, V] draft softmax at T = 1
+    hidden: torch.Tensor | None  # [g, d] target hidden state at the positions that predict each draft token
+    sd_ok: torch.Tensor  # [g] bool: the lossless rule accepts this token
+
+    def draft_prob(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs[i, d_i] for each draft position i."""
+        g = self.draft_tokens.shape[0]
+        return probs[:g].gather(-1, self.draft_tokens[:, None]).squeeze(-1)
+
+
+@dataclass
+class Lossless:
+    """Leviathan/Chen speculative sampling (greedy: argmax match). Output distribution = target's."""
+
+    name: str = "sd"
+    hidden_layer: int | None = None
+
+    def override(self, v: Verification) -> torch.Tensor:
+        return torch.zeros_like(v.sd_ok)
+
+
+@dataclass
+class PAD:
+    """Pivot-aware acceptance (method.md section 4): keep a token SD rejected when the classifier's pivot
+    probability is <= sigma and the target gives it probability >= tau.
+
+    sigma = 0 turns the override off, so PAD(sigma=0) is exactly SD even for a classifier that outputs 0.
+    The tau floor guards overrides only: applying it to tokens SD accepts would break exactness at
+    sigma = 0 under sampling, where SD may legitimately accept a token with p < tau.
+    """
+
+    classifier: Classifier
+    sigma: float
+    tau: float = 1e-4
+    hidden_layer: int | None = None
+    name: str = "pad"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sigma <= 1:
+            raise UsageError(f"sigma must be in [0, 1], got {self.sigma}")
+        if not 0 <= self.tau <= 1:
+            raise UsageError(f"tau must be in [0, 1], got {self.tau}")
+
+    def scores(self, v: Verification) -> torch.Tensor:
+        g = v.draft_tokens.shape[0]
+        return self.classifier(v.hidden, v.p_raw[:g], v.draft_tokens, v.q_raw).reshape(g)
+
+    def override(self, v: Verification) -> torch.Tensor:
+        if self.sigma <= 0:
+            return torch.zeros_like(v.sd_ok)
+        return (self.scores(v) <= self.sigma) & (v.draft_prob(v.p) >= self.tau)
+
+
+def constant_classifier(score: float) -> Classifier:
+    """A classifier that calls every token a pivot with probability ``score`` (for tests and ablations)."""
+
+    def classify(hidden, target_probs, draft_tokens, draft_probs):
+        return torch.full((draft_tokens.shape[0],), float(score))
+
+    return classify

@@ -1,0 +1,184 @@
+"""``pivotspec`` command line. Bad input ends with one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pivotspec.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # a typo must not silently match a longer flag
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # one line, not usage + message
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", help="target model: registered name, HF directory, .gguf file or cached hub id")
+    g.add_argument("--draft", help="draft model sharing the target's tokenizer")
+    g.add_argument("--pair", choices=["testbed"], help="shorthand for a registered target/draft pair")
+    g.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--gamma", type=int, default=5, help="draft tokens per step (default 5)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--classifier", help="pivot classifier for --method pad: const:SCORE (a constant score)")
+    g.add_argument("--sigma", type=float, default=0.5, help="PAD: override when pivot score <= sigma (0 = SD)")
+    g.add_argument("--tau", type=float, default=1e-4, help="PAD: overrides need target prob >= tau")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pivotspec", description="Pivot-aware speculative decoding (PAD) on Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="decode prompts with ar, draft, sd or pad")
+    add_model_args(gen)
+    add_decoding_args(gen)
+    gen.add_argument("--method", choices=["ar", "draft", "sd", "pad"], help="default: sd with a draft, else ar")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts-file", type=Path,
+                     help='JSONL, one {"prompt": ...} or {"messages": [...]} per line; models load once')
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, token_ids, stats, trace")
+    gen.set_defaults(func=cmd_generate)
+
+    from pivotspec.evaluation import add_eval_parser
+    add_eval_parser(sub)
+    return parser
+
+
+def validate_decoding(args: argparse.Namespace) -> None:
+    if args.gamma < 1:
+        raise UsageError(f"--gamma must be >= 1, got {args.gamma}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from pivotspec.sampling import SamplingConfig
+
+    SamplingConfig(args.temperature, args.top_k, args.top_p)  # raises UsageError on bad values
+
+
+def resolve_pair(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
+    target, draft = args.target, args.draft
+    if args.pair == "testbed":
+        target, draft = target or "testbed-target", draft or "testbed-draft"
+    if not target:
+        raise UsageError("no target model: pass --target MODEL or --pair testbed")
+    if needs_draft and not draft:
+        raise UsageError("this method needs a draft model: pass --draft MODEL or --pair testbed")
+    return target, draft
+
+
+def load_models(args: argparse.Namespace, needs_draft: bool):
+    """Load target (and draft) once; the draft must share the target's tokenizer."""
+    from pivotspec.models import check_same_tokenizer, load_lm
+
+    target_name, draft_name = resolve_pair(args, needs_draft)
+    target = load_lm(target_name, args.dtype, args.threads)
+    draft = load_lm(draft_name, args.dtype, args.threads) if draft_name else None
+    if draft is not None:
+        check_same_tokenizer(target, draft)
+    return target, draft
+
+
+def make_policy(args: argparse.Namespace, method: str, target=None):
+    from pivotspec.acceptance import PAD, Lossless, constant_classifier
+
+    if method != "pad":
+        return Lossless()
+    if not args.classifier:
+        raise UsageError("--method pad needs a pivot classifier: pass --classifier (e.g. const:0.2)")
+    if args.classifier.startswith("const:"):
+        try:
+            score = float(args.classifier.split(":", 1)[1])
+        except ValueError:
+            raise UsageError(f"bad classifier {args.classifier!r}: write const:SCORE with SCORE in [0, 1]") from None
+        return PAD(constant_classifier(score), sigma=args.sigma, tau=args.tau)
+    raise UsageError(f"classifier {args.classifier!r} not understood: use const:SCORE")
+
+
+def read_prompts(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise UsageError(f"prompts file {str(path)!r} does not exist: check the path")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"{path}:{n}: not a JSON object: the file must be JSONL, one object per line") from None
+        if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
+            raise UsageError(f'{path}:{n}: each line needs a "prompt" or "messages" key')
+        prompts.append(obj)
+    if not prompts:
+        raise UsageError(f"prompts file {str(path)!r} is empty: write one JSON object per line")
+    return prompts
+
+
+def generation_json(gen, tokenizer) -> dict[str, Any]:
+    return {
+        "text": gen.text,
+        "token_ids": gen.token_ids,
+        "stats": gen.stats,
+        "trace": [{"id": t, "text": tokenizer.decode([t]), "source": s} for t, s in gen.trace],
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pivotspec.decoding import decode
+    from pivotspec.models import eos_ids
+    from pivotspec.sampling import SamplingConfig
+    from pivotspec.tasks import encode_prompt
+
+    validate_decoding(args)
+    method = args.method or ("sd" if (args.draft or args.pair) else "ar")
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else [{"prompt": args.prompt}]
+    policy = make_policy(args, method)
+    target, draft = load_models(args, needs_draft=method != "ar")
+    cfg = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    for item in prompts:
+        ids = encode_prompt(target.tokenizer, item.get("prompt"), item.get("messages"), chat=args.chat)
+        gen = decode(method, target, draft, ids, policy, cfg=cfg, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                     eos_ids=eos_ids(target), stop_strings=args.stop, seed=args.seed)
+        if args.json:
+            print(json.dumps(generation_json(gen, target.tokenizer)), flush=True)
+        else:
+            s = gen.stats
+            print(gen.text, flush=True)
+            tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
+            eta = f"{s['eta']:.2f}" if s["eta"] is not None else "-"
+            print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        args.func(args)
+    except UsageError as exc:
+        print(f"pivotspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pivotspec: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""One decoding loop for every method: target-only, draft-only, lossless SD, PAD and relaxed baselines.
+
+Each step: the draft proposes up to gamma tokens; one target forward over [last token, drafts] gives
+p_1..p_{g+1}; the lossless rule and the acceptance policy decide which drafts to keep; the first
+rejected position is replaced by a correction (argmax, or a sample from the SD residual) or, when all are
+kept, a bonus token is drawn from p_{g+1}. Without a draft every step is one plain target token.
+
+Both models' caches always hold a prefix of the sequence; ``LM.advance`` rolls back rejected tokens and
+feeds only what is missing, so neither the prompt nor accepted tokens are ever recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pivotspec.acceptance import Lossless, Verification
+from pivotspec.drafting import fit_vocab, propose
+from pivotspec.models import LM
+from pivotspec.sampling import SamplingConfig, logits_to_probs, pick, residual, sample
+
+SOURCES = ("accepted", "override", "corrected", "bonus", "target")
+STAT_COUNTS = ("target_forwards", "draft_forwards", "drafted", *SOURCES)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    stats: dict[str, Any]
+    trace: list[tuple[int, str]] = field(default_factory=list)  # (token id, source) per emitted token
+
+
+def _new_stats() -> dict[str, Any]:
+    stats: dict[str, Any] = {k: 0 for k in STAT_COUNTS}
+    stats.update(prefill_s=0.0, draft_s=0.0, target_s=0.0, policy_s=0.0, forward_s=0.0)
+    return stats
+
+
+def finish_stats(stats: dict[str, Any], new_tokens: int, wall_s: float) -> dict[str, Any]:
+    """Derived stats. tau = tokens per target forward (bonus included; None for draft-only);
+    eta = draft tokens kept (by SD or by the override) / draft tokens proposed."""
+    stats["new_tokens"] = new_tokens
+    stats["overridden"] = stats["override"]
+    stats["wall_s"] = wall_s
+    stats["tau"] = new_tokens / stats["target_forwards"] if stats["target_forwards"] else None
+    kept = stats["accepted"] + stats["override"]
+    stats["eta"] = kept / stats["drafted"] if stats["drafted"] else None
+    # Time outside any model forward and outside the prefill: the loop's own cost.
+    stats["overhead_s"] = wall_s - stats["prefill_s"] - stats["forward_s"]
+    return stats
+
+
+class _Stopper:
+    """Decides whether the text so far is finished: EOS, a stop string, or the token budget."""
+
+    def __init__(self, tokenizer: Any, eos: set[int], stop_strings: list[str], max_new_tokens: int):
+        self.tokenizer, self.eos, self.stop_strings, self.max_new = tokenizer, eos, stop_strings, max_new_tokens
+        # Every token decodes to >= 1 character (or a partial byte), so this many tokens cover any stop string.
+        self.window = max((len(s) for s in stop_strings), default=0) + 2
+
+    def reason(self, new: list[int]) -> str | None:
+        if new and new[-1] in self.eos:
+            return "eos"
+        if self.stop_strings:
+            tail = self.tokenizer.decode(new[-self.window:])
+            if any(s in tail for s in self.stop_strings):
+                return "stop_string"
+        if len(new) >= self.max_new:
+            return "max_tokens"
+        return None
+
+
+def generate(
+    target: LM,
+    prompt_ids: list[int],
+    *,
+    draft: LM | None = None,
+    policy: Any = None,
+    cfg: SamplingConfig | None = None,
+    gamma: int = 5,
+    max_new_tokens: int = 128,
+    eos_ids: set[int] | None = None,
+    stop_strings: list[str] | None = None,
+    seed: int = 0,
+    residual_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = residual,
+) -> Generation:
+    """Decode from ``prompt_ids``. ``draft=None`` is plain decoding with ``target``; otherwise speculative
+    decoding with ``policy`` (default: lossless). ``residual_fn`` is injectable for tests only."""
+    if not prompt_ids:
+        raise ValueError("prompt must have at least one token")
+    policy = policy or Lossless()
+    cfg = cfg or SamplingConfig()
+    generator = torch.Generator().manual_seed(seed)
+    stopper = _Stopper(target.tokenizer, eos_ids or set(), list(stop_strings or []), max_new_tokens)
+    stats = _new_stats()
+    models = [m for m in (target, draft) if m is not None]
+    start = time.perf_counter()
+    forward_before = sum(m.forward_s for m in models)
+
+    # Prefill everything but the last prompt token: each step then feeds [last token, drafts...].
+    for m in models:
+        m.reset()
+        if len(prompt_ids) > 1:
+            m.forward(prompt_ids[:-1], keep_logits=0)
+    stats["prefill_s"] = time.perf_counter() - start
+    forward_before_loop = sum(m.forward_s for m in models)
+
+    seq, new, trace = list(prompt_ids), [], []
+    stop = None
+    while stop is None and len(new) < max_new_tokens:
+        t0 = time.perf_counter()
+        budget = max_new_tokens - len(new)
+        g = min(gamma, budget - 1) if draft is not None else 0  # no point drafting past the budget
+        proposal = propose(draft, seq, g, cfg, generator, target.vocab_size, stopper.eos) if g > 0 else None
+        drafts = proposal.tokens if proposal else []
+        t1 = time.perf_counter()
+        logits, hidden = target.advance(
+            seq + drafts, keep_logits=len(drafts) + 1, hidden_layer=policy.hidden_layer if drafts else None
+        )
+        logits = fit_vocab(logits, target.vocab_size)
+        p = logits_to_probs(logits, cfg)
+        t2 = time.perf_counter()
+        stats["draft_s"] += t1 - t0
+        stats["target_s"] += t2 - t1
+        stats["target_forwards"] += 1
+        stats["draft_forwards"] += len(drafts)
+        stats["drafted"] += len(drafts)
+
+        emitted: list[tuple[int, str]] = []
+        n_kept = 0
+        if drafts:
+            d = torch.tensor(drafts)
+            p_raw = p if cfg.greedy else torch.softmax(logits, dim=-1)
+            no = torch.zeros(len(drafts), dtype=torch.bool)
+            v = Verification(d, p, proposal.q, p_raw, proposal.q_raw, hidden, sd_ok=no)
+            if cfg.greedy:
+                v.sd_ok = p[: len(drafts)].argmax(-1) == d
+            else:
+                u = torch.rand(len(drafts), generator=generator)
+                v.sd_ok = u * v.draft_prob(proposal.q) <= v.draft_prob(p)
+            override = policy.override(v) & ~v.sd_ok
+            stats["policy_s"] += time.perf_counter() - t2
+            kept = v.sd_ok | override
+            n_kept = int(kept.long().cumprod(0).sum())
+            emitted = [(drafts[i], "accepted" if v.sd_ok[i] else "override") for i in range(n_kept)]
+        if n_kept < len(drafts):
+            probs = p[n_kept] if cfg.greedy else residual_fn(p[n_kept], proposal.q[n_kept])
+            token = int(probs.argmax()) if cfg.greedy else int(sample(probs[None], generator)[0])
+            emitted.append((token, "corrected"))
+        else:
+            emitted.append((int(pick(p[n_kept][None], cfg, generator)[0]), "bonus" if draft is not None else "target"))
+
+        for token, source in emitted:
+            seq.append(token)
+            new.append(token)
+            trace.append((token, source))
+            stats[source] += 1
+            stop = stopper.reason(new)
+            if stop:
+                break
+
+    wall = time.perf_counter() - start
+    stats["forward_s"] = sum(m.forward_s for m in models) - forward_before_loop
+    stats["prefill_forward_s"] = forward_before_loop - forward_before
+    stats["stop_reason"] = stop or "max_tokens"
+    text = target.tokenizer.decode(new, skip_special_tokens=True)
+    return Generation(new, text, finish_stats(stats, len(new), wall), trace)
+
+
+METHODS = ("ar", "draft", "sd", "pad")
+
+
+def decode(method: str, target: LM | None, draft: LM | None, prompt_ids: list[int], policy: Any = None,
+           **kwargs: Any) -> Generation:
+    """Run one named method. ``draft`` decodes with the draft model alone; its forwards count as draft
+    forwards. ``sd`` uses the lossless policy whatever ``policy`` is; ``pad`` and baselines pass theirs."""
+    if method == "ar":
+        return generate(target, prompt_ids, **kwargs)
+    if method == "draft":
+        gen = generate(draft, prompt_ids, **kwargs)
+        gen.stats["draft_forwards"], gen.stats["target_forwards"] = gen.stats["target_forwards"], 0
+        gen.stats["tau"] = None
+        return gen
+    return generate(target, prompt_ids, draft=draft, policy=Lossless() if method == "sd" else policy, **kwargs)

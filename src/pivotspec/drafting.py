@@ -1,0 +1,62 @@
+"""The candidate proposer: the draft model extends the current sequence by up to ``gamma`` tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pivotspec.models import LM
+from pivotspec.sampling import SamplingConfig, logits_to_probs, pick
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    q: torch.Tensor  # [g, V] decoding distributions the tokens were drawn from
+    q_raw: torch.Tensor  # [g, V] softmax at T = 1
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Pad (with -inf) or trim logits to the target's vocabulary size; models sharing a tokenizer may
+    still differ in how many padding rows their output layer has."""
+    n = logits.shape[-1]
+    if n == vocab_size:
+        return logits
+    if n > vocab_size:
+        return logits[..., :vocab_size]
+    pad = torch.full((*logits.shape[:-1], vocab_size - n), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+def propose(
+    draft: LM,
+    seq: list[int],
+    gamma: int,
+    cfg: SamplingConfig,
+    generator: torch.Generator | None,
+    vocab_size: int,
+    stop_ids: set[int],
+) -> Proposal:
+    """Draft up to ``gamma`` tokens after ``seq``; stops early after a stop id (nothing follows EOS).
+
+    The draft's cache keeps whatever it has computed; the next call's ``advance`` rolls back the
+    tokens the target rejected and feeds the ones the draft has not seen (at most the correction or
+    bonus token and the last accepted draft token), so nothing is recomputed.
+    """
+    tokens: list[int] = []
+    q_rows, raw_rows = [], []
+    for _ in range(gamma):
+        logits, _ = draft.advance(seq + tokens, keep_logits=1)
+        logits = fit_vocab(logits, vocab_size)
+        q = logits_to_probs(logits, cfg)
+        q_rows.append(q[0])
+        raw_rows.append(q[0] if cfg.greedy else torch.softmax(logits[0], dim=-1))
+        token = int(pick(q, cfg, generator)[0])
+        tokens.append(token)
+        if token in stop_ids:
+            break
+    if not tokens:
+        empty = torch.empty((0, vocab_size))
+        return Proposal([], empty, empty)
+    return Proposal(tokens, torch.stack(q_rows), torch.stack(raw_rows))

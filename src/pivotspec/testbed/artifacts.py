@@ -1,0 +1,3 @@
+"""Registered names of the shipped testbed models (filled in when their artifacts exist)."""
+
+REGISTERED: dict = {}

