@@ -10,26 +10,54 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from pivotspec.errors import UsageError
+from pivotspec.sampling import SamplingConfig, logits_to_probs
 
 # scores (hidden [g, d] or None, target_probs [g, V], draft_tokens [g], draft_probs [g, V]) -> pivot prob [g]
 Classifier = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
 class Verification:
-    """Everything one verification step knows about the ``g`` draft tokens it checks."""
+    """Everything one verification step knows about the ``g`` draft tokens it checks.
 
-    draft_tokens: torch.Tensor  # [g] token ids
-    p: torch.Tensor  # [g + 1, V] target decoding distributions (after temperature / top-k / top-p)
-    q: torch.Tensor  # [g, V] draft decoding distributions
-    p_raw: torch.Tensor  # [g + 1, V] target softmax at T = 1 (classifier features)
-    q_raw: torch.Tensor  # [g, V] draft softmax at T = 1
-    hidden: torch.Tensor | None  # [g, d] target hidden state at the positions that predict each draft token
-    sd_ok: torch.Tensor  # [g] bool: the lossless rule accepts this token
+    Distributions are computed from the logits on first use: greedy lossless SD only needs argmaxes,
+    so it never pays for a softmax over the vocabulary.
+    """
+
+    def __init__(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor, draft_logits: torch.Tensor,
+                 cfg: SamplingConfig, hidden: torch.Tensor | None = None, q: torch.Tensor | None = None):
+        self.draft_tokens = draft_tokens  # [g] token ids
+        self.target_logits = target_logits  # [g + 1, V]
+        self.draft_logits = draft_logits  # [g, V]
+        self.cfg = cfg
+        self.hidden = hidden  # [g, d] target hidden state at the positions that predict each draft token
+        if q is not None:
+            self.__dict__["q"] = q  # the sampler already computed the draft distributions
+        self.sd_ok = torch.zeros(draft_tokens.shape[0], dtype=torch.bool)  # the lossless rule's decision
+
+    @cached_property
+    def p(self) -> torch.Tensor:
+        """[g + 1, V] target decoding distributions (after temperature / top-k / top-p)."""
+        return logits_to_probs(self.target_logits, self.cfg)
+
+    @cached_property
+    def q(self) -> torch.Tensor:
+        """[g, V] draft decoding distributions."""
+        return logits_to_probs(self.draft_logits, self.cfg)
+
+    @cached_property
+    def p_raw(self) -> torch.Tensor:
+        """[g + 1, V] target softmax at T = 1 (classifier features)."""
+        return self.p if self.cfg.greedy else torch.softmax(self.target_logits, dim=-1)
+
+    @cached_property
+    def q_raw(self) -> torch.Tensor:
+        """[g, V] draft softmax at T = 1."""
+        return self.q if self.cfg.greedy else torch.softmax(self.draft_logits, dim=-1)
 
     def draft_prob(self, probs: torch.Tensor) -> torch.Tensor:
         """probs[i, d_i] for each draft position i."""

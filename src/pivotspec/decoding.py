@@ -21,7 +21,7 @@ import torch
 from pivotspec.acceptance import Lossless, Verification
 from pivotspec.drafting import fit_vocab, propose
 from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, logits_to_probs, pick, residual, sample
+from pivotspec.sampling import SamplingConfig, logits_to_probs, residual, sample
 
 SOURCES = ("accepted", "override", "corrected", "bonus", "target")
 STAT_COUNTS = ("target_forwards", "draft_forwards", "drafted", *SOURCES)
@@ -123,7 +123,6 @@ def generate(
             seq + drafts, keep_logits=len(drafts) + 1, hidden_layer=policy.hidden_layer if drafts else None
         )
         logits = fit_vocab(logits, target.vocab_size)
-        p = logits_to_probs(logits, cfg)
         t2 = time.perf_counter()
         stats["draft_s"] += t1 - t0
         stats["target_s"] += t2 - t1
@@ -133,27 +132,30 @@ def generate(
 
         emitted: list[tuple[int, str]] = []
         n_kept = 0
+        v = None
         if drafts:
             d = torch.tensor(drafts)
-            p_raw = p if cfg.greedy else torch.softmax(logits, dim=-1)
-            no = torch.zeros(len(drafts), dtype=torch.bool)
-            v = Verification(d, p, proposal.q, p_raw, proposal.q_raw, hidden, sd_ok=no)
+            v = Verification(d, logits, proposal.logits, cfg, hidden, q=proposal.q)
             if cfg.greedy:
-                v.sd_ok = p[: len(drafts)].argmax(-1) == d
+                v.sd_ok = logits[: len(drafts)].argmax(-1) == d
             else:
                 u = torch.rand(len(drafts), generator=generator)
-                v.sd_ok = u * v.draft_prob(proposal.q) <= v.draft_prob(p)
+                v.sd_ok = u * v.draft_prob(v.q) <= v.draft_prob(v.p)
             override = policy.override(v) & ~v.sd_ok
             stats["policy_s"] += time.perf_counter() - t2
             kept = v.sd_ok | override
             n_kept = int(kept.long().cumprod(0).sum())
             emitted = [(drafts[i], "accepted" if v.sd_ok[i] else "override") for i in range(n_kept)]
+        if cfg.greedy:
+            token = int(logits[n_kept].argmax())
+        else:
+            p = v.p if v is not None else logits_to_probs(logits, cfg)
+            probs = residual_fn(p[n_kept], v.q[n_kept]) if n_kept < len(drafts) else p[n_kept]
+            token = int(sample(probs[None], generator)[0])
         if n_kept < len(drafts):
-            probs = p[n_kept] if cfg.greedy else residual_fn(p[n_kept], proposal.q[n_kept])
-            token = int(probs.argmax()) if cfg.greedy else int(sample(probs[None], generator)[0])
             emitted.append((token, "corrected"))
         else:
-            emitted.append((int(pick(p[n_kept][None], cfg, generator)[0]), "bonus" if draft is not None else "target"))
+            emitted.append((token, "bonus" if draft is not None else "target"))
 
         for token, source in emitted:
             seq.append(token)

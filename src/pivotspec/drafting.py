@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, logits_to_probs, pick
+from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
 
 
 @dataclass
 class Proposal:
     tokens: list[int]
-    q: torch.Tensor  # [g, V] decoding distributions the tokens were drawn from
-    q_raw: torch.Tensor  # [g, V] softmax at T = 1
+    logits: torch.Tensor  # [g, V] draft logits at each drafted position
+    q: torch.Tensor | None  # [g, V] distributions the tokens were sampled from (None when greedy)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -45,18 +45,18 @@ def propose(
     bonus token and the last accepted draft token), so nothing is recomputed.
     """
     tokens: list[int] = []
-    q_rows, raw_rows = [], []
+    logit_rows, q_rows = [], []
     for _ in range(gamma):
         logits, _ = draft.advance(seq + tokens, keep_logits=1)
         logits = fit_vocab(logits, vocab_size)
-        q = logits_to_probs(logits, cfg)
-        q_rows.append(q[0])
-        raw_rows.append(q[0] if cfg.greedy else torch.softmax(logits[0], dim=-1))
-        token = int(pick(q, cfg, generator)[0])
+        logit_rows.append(logits[0])
+        if cfg.greedy:
+            token = int(logits[0].argmax())
+        else:
+            q = logits_to_probs(logits, cfg)
+            q_rows.append(q[0])
+            token = int(sample(q, generator)[0])
         tokens.append(token)
         if token in stop_ids:
             break
-    if not tokens:
-        empty = torch.empty((0, vocab_size))
-        return Proposal([], empty, empty)
-    return Proposal(tokens, torch.stack(q_rows), torch.stack(raw_rows))
+    return Proposal(tokens, torch.stack(logit_rows), torch.stack(q_rows) if q_rows else None)

@@ -136,7 +136,7 @@ def make_problem(split: str, seed: int, index: int) -> Problem:
         prompt=f"{SYSTEM}\nQuestion: {text}\nAnswer:",
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
         answer=x,
-        meta={"solution": " ".join(solution), "steps": len(ops), "ops": [op for op, _ in ops]},
+        meta={"solution": " ".join(solution), "steps": len(ops), "start": start, "ops": [op for op, _ in ops]},
     )
 
 

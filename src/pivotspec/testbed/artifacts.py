@@ -1,3 +1,93 @@
-"""Registered names of the shipped testbed models (filled in when their artifacts exist)."""
+"""The shipped testbed models, materialised once into the pivotspec cache.
 
-REGISTERED: dict = {}
+- ``testbed-target``: SmolLM2-135M-Instruct with the shipped LoRA adapters (``data/target_lora.*``) merged
+  into its float32 weights. The merged directory is keyed by a hash of the adapter files, so a new
+  adapter never reuses an old merge.
+- ``testbed-draft``: the small reduced-vocabulary Llama in ``data/draft/`` plus SmolLM2's tokenizer files
+  (copied, not committed twice), so the loader's tokenizer check sees the very same tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from pivotspec.errors import UsageError
+
+DATA = Path(__file__).parent / "data"
+TARGET_FILES = (DATA / "target_lora.safetensors", DATA / "target_lora.json")
+DRAFT_DIR = DATA / "draft"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _fingerprint(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        if not f.is_file():
+            raise UsageError(f"testbed artifact {f.name} is missing from {f.parent}: reinstall pivotspec")
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _build_atomically(out: Path, build: Callable[[Path], None]) -> Path:
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+    try:
+        build(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _copy_tokenizer(dst: Path) -> None:
+    from pivotspec.models import smollm2_dir
+
+    src = smollm2_dir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def target_dir() -> Path:
+    from pivotspec.models import cache_dir
+
+    def build(tmp: Path) -> None:
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        from pivotspec.models import quiet_transformers, smollm2_dir
+        from pivotspec.testbed.lora import merge_adapters
+
+        quiet_transformers()
+        model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
+        config = json.loads(TARGET_FILES[1].read_text())
+        merge_adapters(model, load_file(str(TARGET_FILES[0])), config["scale"])
+        model.save_pretrained(tmp)
+        _copy_tokenizer(tmp)
+
+    return _build_atomically(cache_dir() / f"testbed-target-{_fingerprint(list(TARGET_FILES))}", build)
+
+
+def draft_dir() -> Path:
+    from pivotspec.models import VOCAB_MAP_FILE, cache_dir
+
+    files = [DRAFT_DIR / "config.json", DRAFT_DIR / "model.safetensors", DRAFT_DIR / VOCAB_MAP_FILE]
+
+    def build(tmp: Path) -> None:
+        for f in files:
+            shutil.copy(f, tmp / f.name)
+        _copy_tokenizer(tmp)
+
+    return _build_atomically(cache_dir() / f"testbed-draft-{_fingerprint(files)}", build)
+
+
+REGISTERED: dict[str, Callable[[], Path]] = {"testbed-target": target_dir, "testbed-draft": draft_dir}
