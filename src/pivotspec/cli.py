@@ -61,6 +61,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pivotspec.evaluation import add_eval_parser
     add_eval_parser(sub)
+
+    lab = sub.add_parser("label", help="label pivot tokens by Monte-Carlo rollouts of the target (resumable)")
+    add_model_args(lab)
+    lab.add_argument("--task", default="arith")
+    lab.add_argument("--split", default="train")
+    lab.add_argument("--n-problems", type=int, default=50)
+    lab.add_argument("--rollouts", type=int, default=20, help="N rollouts after d and N after t (default 20)")
+    lab.add_argument("--temperature", type=float, default=0.7)
+    lab.add_argument("--top-p", type=float, default=1.0)
+    lab.add_argument("--max-rollout-tokens", type=int, default=160)
+    lab.add_argument("--max-walk-tokens", type=int, default=200)
+    lab.add_argument("--mode", choices=["mul", "add", "abs"], default="mul",
+                     help="mul: U_acc < alpha*U_rej; add: U_acc + alpha < U_rej; abs: U_acc < alpha")
+    lab.add_argument("--alpha", type=float, default=0.5)
+    lab.add_argument("--follow", choices=["label", "target"], default="label",
+                     help="continue the walk with d when non-pivot (label) or always with t (target)")
+    lab.add_argument("--min-target-rate", type=float, default=0.3,
+                     help="skip problems the target solves at <= this rate from the prompt (-1: no screening)")
+    lab.add_argument("--judge", help="local HF causal LM that may flip non-pivots to pivots (off by default)")
+    lab.add_argument("--out", type=Path, required=True)
+    lab.add_argument("--overwrite", action="store_true", help="start the file over instead of resuming")
+    lab.add_argument("--seed", type=int, default=0)
+    lab.set_defaults(func=cmd_label)
+
+    labels = sub.add_parser("labels", help="inspect a labels file")
+    labels_sub = labels.add_subparsers(dest="labels_command", required=True, parser_class=_Parser)
+    st = labels_sub.add_parser("stats", help="counts, pivot share, U distributions, candidates per problem")
+    st.add_argument("file", type=Path)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_labels_stats)
     return parser
 
 
@@ -165,6 +195,48 @@ def cmd_generate(args: argparse.Namespace) -> None:
             tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
             eta = f"{s['eta']:.2f}" if s["eta"] is not None else "-"
             print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
+
+
+def cmd_label(args: argparse.Namespace) -> None:
+    from pivotspec.labeling import LabelConfig, label_stats, run_labeling
+    from pivotspec.models import load_lm
+    from pivotspec.tasks import get_task
+
+    cfg = LabelConfig(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
+                      max_rollout_tokens=args.max_rollout_tokens, mode=args.mode, alpha=args.alpha,
+                      follow=args.follow, min_target_rate=args.min_target_rate,
+                      max_walk_tokens=args.max_walk_tokens, seed=args.seed)
+    if args.n_problems < 1:
+        raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
+    task = get_task(args.task)
+    problems = task.problems(args.split, args.n_problems, args.seed)
+    target, draft = load_models(args, needs_draft=True)
+    judge = load_lm(args.judge, args.dtype) if args.judge else None
+    records = run_labeling(target, draft, task, problems, cfg, args.out, overwrite=args.overwrite, judge=judge,
+                           split=args.split)
+    s = label_stats(records)
+    print(f"{args.out}: {s['candidates']} candidates, {s['pivots']} pivots, "
+          f"{s['problems_done']} problems done, {s['problems_skipped']} skipped")
+
+
+def cmd_labels_stats(args: argparse.Namespace) -> None:
+    from pivotspec.labeling import label_stats
+    from pivotspec.store import read_records
+
+    if not args.file.is_file():
+        raise UsageError(f"labels file {str(args.file)!r} does not exist: check the path")
+    s = label_stats(read_records(args.file, repair=False))
+    if args.json:
+        print(json.dumps(s))
+        return
+    share = "-" if s["pivot_share"] is None else f"{s['pivot_share']:.3f}"
+    cpp = s["candidates_per_problem"]
+    print(f"candidates {s['candidates']} | pivots {s['pivots']} (share {share}) | problems done "
+          f"{s['problems_done']}, skipped {s['problems_skipped']} | rollouts {s['rollouts']}")
+    print(f"candidates per problem: mean {cpp['mean']:.1f}, min {cpp['min']}, max {cpp['max']}")
+    print("U bins  " + " ".join(f"{b:>5.1f}" for b in s["hist_bins"][:-1]))
+    print("U_acc   " + " ".join(f"{c:>5d}" for c in s["u_acc_hist"]))
+    print("U_rej   " + " ".join(f"{c:>5d}" for c in s["u_rej_hist"]))
 
 
 def main(argv: list[str] | None = None) -> int:

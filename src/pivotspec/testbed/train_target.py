@@ -74,25 +74,30 @@ def answer_loss(model, ids, mask, labels) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, split: str, n: int, batch_size: int = 25, max_new_tokens: int = 160) -> float:
-    """Batched greedy generation with left padding; accuracy by the task's checker."""
-    task = get_task("arith")
-    problems = task.problems(split, n, seed=0)
-    tokenizer.padding_side = "left"
-    correct = 0.0
+def batched_greedy(model, tokenizer, problems, batch_size: int = 25, max_new_tokens: int = 160) -> list[list[int]]:
+    """Greedy completions (token ids up to and including EOS) with HF generate, batched with left padding."""
+    was_training = model.training
     model.eval()
-    for start in range(0, n, batch_size):
-        chunk = problems[start:start + batch_size]
-        prompts = [encode_problem(tokenizer, p) for p in chunk]
+    outputs = []
+    for start in range(0, len(problems), batch_size):
+        prompts = [encode_problem(tokenizer, p) for p in problems[start:start + batch_size]]
         width = max(map(len, prompts))
         ids = torch.tensor([[2] * (width - len(q)) + q for q in prompts])
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in prompts])
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=2, eos_token_id=2)
-        for p, row in zip(chunk, out[:, width:], strict=True):
-            correct += task.score(p, tokenizer.decode(row, skip_special_tokens=True))
-    model.train()
-    return correct / n
+        for row in out[:, width:].tolist():
+            outputs.append(row[: row.index(2) + 1] if 2 in row else row)
+    model.train(was_training)
+    return outputs
+
+
+def greedy_accuracy(model, tokenizer, split: str, n: int) -> float:
+    task = get_task("arith")
+    problems = task.problems(split, n, seed=0)
+    outputs = batched_greedy(model, tokenizer, problems)
+    return sum(task.score(p, tokenizer.decode(o, skip_special_tokens=True)) for p, o in zip(problems, outputs,
+               strict=True)) / n
 
 
 def main(argv: list[str] | None = None) -> None:

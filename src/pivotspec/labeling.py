@@ -1,0 +1,297 @@
+"""Pivot labels by Monte-Carlo rollouts of the target (method.md section 2).
+
+Walk a greedy trajectory with target and draft side by side; where they disagree (draft token d, target
+token t) SD would reject d, so it is a *candidate*. Sample N target continuations after d and N after t,
+all 2N as one batch from a copy of the shared prefix cache, score them with the task, and label d a pivot
+when its success rate U_acc falls short of U_rej's by the chosen rule. The walk then continues with d when
+it is harmless (else t), so later candidates sit on trajectories PAD would actually produce.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pivotspec.errors import UsageError
+from pivotspec.models import LM
+from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
+
+MODES = ("mul", "add", "abs")
+
+
+@dataclass(frozen=True)
+class LabelConfig:
+    rollouts: int = 20  # N per side (authors' default)
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_rollout_tokens: int = 160
+    mode: str = "mul"
+    alpha: float = 0.5
+    follow: str = "label"  # "label": continue with d when non-pivot; "target": always continue with t
+    min_target_rate: float = 0.3  # screening: skip problems the target solves at <= this rate (< 0 disables)
+    max_walk_tokens: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rollouts < 1:
+            raise UsageError(f"--rollouts must be >= 1, got {self.rollouts}")
+        if self.mode not in MODES:
+            raise UsageError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        lo, hi = {"mul": (0.0, 1.0), "add": (0.0, 1.0), "abs": (0.0, 1.0)}[self.mode]
+        if not lo < self.alpha <= hi:
+            raise UsageError(f"--alpha must be in ({lo}, {hi}] for --mode {self.mode}, got {self.alpha}")
+        if self.follow not in ("label", "target"):
+            raise UsageError(f"--follow must be 'label' or 'target', got {self.follow!r}")
+        if self.max_rollout_tokens < 1 or self.max_walk_tokens < 1:
+            raise UsageError("--max-rollout-tokens and --max-walk-tokens must be >= 1")
+        SamplingConfig(self.temperature, 0, self.top_p)  # validates temperature and top-p
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_pivot(u_acc: float, u_rej: float, mode: str, alpha: float) -> bool:
+    """mul: U_acc < alpha * U_rej; add: U_acc + alpha < U_rej; abs: U_acc < alpha."""
+    if mode == "mul":
+        return u_acc < alpha * u_rej
+    if mode == "add":
+        return u_acc + alpha < u_rej
+    return u_acc < alpha
+
+
+def seeded_generator(*parts: object) -> torch.Generator:
+    """A generator seeded from stable parts (seed, problem, step), so a resumed run samples the same."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+@torch.inference_mode()
+def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
+                     stop_ids: set[int], generator: torch.Generator) -> list[list[int]]:
+    """One sampled continuation per entry of ``first_tokens`` (which it starts with), all after ``prefix``.
+
+    The prefix is run once (or reused from ``lm``'s cache), its KV cache is copied and repeated across the
+    batch, and finished rows leave the batch so they cost nothing more.
+    """
+    if lm.cached_ids != prefix:  # after a walk step the cache already holds exactly the prefix
+        lm.advance(prefix, keep_logits=1)
+    cache = copy.deepcopy(lm.cache)
+    cache.batch_repeat_interleave(len(first_tokens))
+    outs = [[t] for t in first_tokens]
+    active = [i for i, t in enumerate(first_tokens) if t not in stop_ids]
+    if active != list(range(len(first_tokens))):
+        cache.batch_select_indices(torch.tensor(active))
+    inputs = torch.tensor([[first_tokens[i]] for i in active])
+    for _ in range(max_tokens - 1):
+        if not active:
+            break
+        model_inputs = inputs if lm.input_map is None else lm.input_map[inputs]
+        logits = lm.model(input_ids=model_inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        tokens = sample(logits_to_probs(lm._full_vocab(logits.float()), cfg), generator).tolist()
+        keep = []
+        for row, (i, tok) in enumerate(zip(active, tokens, strict=True)):
+            outs[i].append(tok)
+            if tok not in stop_ids:
+                keep.append(row)
+        if len(keep) < len(active):
+            active = [active[r] for r in keep]
+            if keep:
+                cache.batch_select_indices(torch.tensor(keep))
+            tokens = [tokens[r] for r in keep]
+        inputs = torch.tensor([[t] for t in tokens])
+    return outs
+
+
+def success_rates(task, problem, tokenizer, generated: list[int], conts: list[list[int]], n: int):
+    """Scores of the continuations; the first n follow d, the last n follow t."""
+    scores = [task.score(problem, tokenizer.decode(generated + c, skip_special_tokens=True)) for c in conts]
+    return sum(scores[:n]) / n, sum(scores[n:]) / n, scores
+
+
+def model_identity(lm: LM) -> dict:
+    """What a label or a classifier was made with: the model's name and shape."""
+    return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size}
+
+
+def screen_rate(target: LM, task, problem, prompt: list[int], cfg: LabelConfig, stop_ids: set[int]) -> float:
+    """The target's success rate from the prompt over N sampled completions."""
+    gen = seeded_generator(cfg.seed, problem.id, "screen")
+    scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
+    # Continuations start with the prompt's last token (so they share one cached prefix); strip it again.
+    conts = batched_rollouts(target, prompt[:-1], [prompt[-1]] * cfg.rollouts, scfg, cfg.max_rollout_tokens + 1,
+                             stop_ids, gen)
+    texts = [target.tokenizer.decode(c[1:], skip_special_tokens=True) for c in conts]
+    return sum(task.score(problem, t) for t in texts) / len(texts)
+
+
+def label_problem(target: LM, draft: LM, task, problem, cfg: LabelConfig, stop_ids: set[int],
+                  known: dict[int, dict], base: dict, emit, judge=None) -> dict:
+    """Walk one problem, emitting a record per new candidate; ``known`` holds candidates of an earlier
+    run (by step) that are reused instead of rolled out again. Returns the problem's summary record."""
+    from pivotspec.tasks import encode_problem
+
+    prompt = encode_problem(target.tokenizer, problem)
+    summary = {"type": "problem", "problem_id": problem.id, **base}
+    if cfg.min_target_rate >= 0:
+        rate = screen_rate(target, task, problem, prompt, cfg, stop_ids)
+        summary["target_rate"] = rate
+        if rate <= cfg.min_target_rate:
+            return {**summary, "status": "skipped", "candidates": 0}
+    scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
+    generated: list[int] = []
+    n_candidates = 0
+    target.reset()
+    draft.reset()
+    while len(generated) < cfg.max_walk_tokens:
+        seq = prompt + generated
+        t = int(target.advance(seq, keep_logits=1)[0][0].argmax())
+        d = int(draft.advance(seq, keep_logits=1)[0][0].argmax())
+        nxt = t
+        if d != t:
+            step = len(generated)
+            rec = known.get(step)
+            if rec is None:
+                n = cfg.rollouts
+                gen = seeded_generator(cfg.seed, problem.id, step)
+                conts = batched_rollouts(target, seq, [d] * n + [t] * n, scfg, cfg.max_rollout_tokens, stop_ids, gen)
+                u_acc, u_rej, scores = success_rates(task, problem, target.tokenizer, generated, conts, n)
+                label = is_pivot(u_acc, u_rej, cfg.mode, cfg.alpha)
+                rec = {"type": "candidate", "problem_id": problem.id, "step": step, "prefix_ids": seq,
+                       "prompt_len": len(prompt), "d": d, "t": t, "u_acc": u_acc, "u_rej": u_rej,
+                       "label": int(label), "n_rollouts": 2 * n, "rollout_tokens": sum(map(len, conts)), **base}
+                if judge is not None and not label:
+                    flipped = judge(problem, generated, conts[:n], scores[:n])
+                    rec["judge_flipped"] = bool(flipped)
+                    rec["label"] = int(flipped)
+                emit(rec)
+            n_candidates += 1
+            nxt = t if rec["label"] or cfg.follow == "target" else d
+        generated.append(nxt)
+        if nxt in stop_ids:
+            break
+    return {**summary, "status": "done", "candidates": n_candidates, "walk_tokens": len(generated)}
+
+
+def make_judge(judge: LM, task) -> Callable:
+    """A soundness check (method.md section 2, step 5) with a local model: it reads the median-length
+    correct rollout after d and answers Yes/No to "is every step correct?". It can only flip a non-pivot
+    to a pivot. The authors used a hosted model here; any local HF causal LM works, quality varies."""
+    from pivotspec.tasks import encode_prompt
+
+    yes = judge.tokenizer("Yes", add_special_tokens=False).input_ids[0]
+    no = judge.tokenizer("No", add_special_tokens=False).input_ids[0]
+
+    def flip(problem, generated: list[int], conts: list[list[int]], scores: list[float]) -> bool:
+        correct = sorted((c for c, s in zip(conts, scores, strict=True) if s > 0), key=len)
+        if not correct:
+            return False
+        text = judge.tokenizer.decode(generated + correct[len(correct) // 2], skip_special_tokens=True)
+        question = problem.messages[-1]["content"] if problem.messages else problem.prompt
+        ask = (f"Problem: {question}\nProposed solution: {text}\n"
+               "Is every step of the proposed solution correct? Answer Yes or No.")
+        judge.reset()
+        logits, _ = judge.forward(encode_prompt(judge.tokenizer, ask, chat=True), keep_logits=1)
+        return bool(logits[0, no] > logits[0, yes])
+
+    return flip
+
+
+class Progress:
+    """One stderr line: problems, candidates, rollouts/s, ETA."""
+
+    def __init__(self, total: int):
+        self.total, self.start, self.clock = total, time.perf_counter(), time.perf_counter
+        self.done = self.candidates = self.rollouts = 0
+
+    def update(self, problems: int = 0, candidates: int = 0, rollouts: int = 0) -> None:
+        self.done += problems
+        self.candidates += candidates
+        self.rollouts += rollouts
+        elapsed = self.clock() - self.start
+        rate = self.rollouts / elapsed if elapsed else 0.0
+        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        print(f"\rproblems {self.done}/{self.total} | candidates {self.candidates} | {rate:.1f} rollouts/s | "
+              f"ETA {eta / 60:.1f} min   ", end="", file=sys.stderr, flush=True)
+
+
+def run_labeling(target: LM, draft: LM, task, problems, cfg: LabelConfig, out, overwrite: bool = False,
+                 judge: LM | None = None, split: str = "train", progress: bool = True) -> list[dict]:
+    """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds."""
+    from pivotspec.models import eos_ids
+    from pivotspec.store import append_record, read_records
+
+    base = {"task": task.name, "split": split, "config": cfg.as_dict(), "target": model_identity(target),
+            "draft": model_identity(draft), "judge": judge.name if judge else None}
+    if overwrite and out.exists():
+        out.unlink()
+    existing = read_records(out)
+    for rec in existing[:1]:
+        mine = {k: rec.get(k) for k in ("task", "config", "target", "draft", "judge")}
+        theirs = {k: base[k] for k in mine}
+        if mine != theirs:
+            diff = sorted(k for k in mine if mine[k] != theirs[k])
+            raise UsageError(
+                f"{out} was made with a different {', '.join(diff)}: pass --overwrite or use another --out")
+    finished = {r["problem_id"] for r in existing if r.get("type") == "problem"}
+    known: dict[str, dict[int, dict]] = {}
+    for r in existing:
+        if r.get("type") == "candidate":
+            known.setdefault(r["problem_id"], {})[r["step"]] = r
+    stop_ids = eos_ids(target)
+    flip = make_judge(judge, task) if judge is not None else None
+    bar = Progress(len(problems)) if progress else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as fh:
+        def emit(rec: dict) -> None:
+            append_record(fh, rec)
+            if bar:
+                bar.update(candidates=1, rollouts=rec["n_rollouts"])
+
+        for problem in problems:
+            if problem.id not in finished:
+                append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
+                                                known.get(problem.id, {}), base, emit, flip))
+            if bar:
+                bar.update(problems=1)
+    if bar:
+        print(file=sys.stderr)
+    return read_records(out)
+
+
+def label_stats(records: list[dict]) -> dict:
+    """Counts, pivot share, U_acc/U_rej distributions and candidates per problem."""
+    cands = [r for r in records if r.get("type") == "candidate"]
+    probs = [r for r in records if r.get("type") == "problem"]
+    per_problem: dict[str, int] = {}
+    for r in cands:
+        per_problem[r["problem_id"]] = per_problem.get(r["problem_id"], 0) + 1
+    bins = [i / 10 for i in range(11)]
+
+    def histogram(values: list[float]) -> list[int]:
+        counts = [0] * 10
+        for v in values:
+            counts[min(int(v * 10), 9)] += 1
+        return counts
+
+    pivots = sum(r["label"] for r in cands)
+    counts = list(per_problem.values())
+    return {
+        "candidates": len(cands),
+        "pivots": pivots,
+        "pivot_share": pivots / len(cands) if cands else None,
+        "problems_done": sum(p.get("status") == "done" for p in probs),
+        "problems_skipped": sum(p.get("status") == "skipped" for p in probs),
+        "candidates_per_problem": {"mean": sum(counts) / len(counts) if counts else 0,
+                                   "min": min(counts, default=0), "max": max(counts, default=0)},
+        "u_acc_hist": histogram([r["u_acc"] for r in cands]),
+        "u_rej_hist": histogram([r["u_rej"] for r in cands]),
+        "hist_bins": bins,
+        "rollouts": sum(r["n_rollouts"] for r in cands),
+        "judge_flipped": sum(bool(r.get("judge_flipped")) for r in cands),
+    }

@@ -1,0 +1,172 @@
+"""Pivot labeling: pivots found on a toy task with a known answer, resumable and crash-safe output."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pivotspec import store
+from pivotspec.cli import main
+from pivotspec.errors import UsageError
+from pivotspec.labeling import LabelConfig, is_pivot, label_stats, run_labeling
+from pivotspec.tasks import Problem
+
+
+class FirstTokenTask:
+    """Utility 1 iff the first generated word is in ``allowed``: the first token alone decides."""
+
+    name = "first-token"
+
+    def __init__(self, prompts: list[str], allowed: set[str]):
+        self.prompts, self.allowed = prompts, allowed
+
+    def problems(self, split, n, seed=0):
+        return [Problem(id=f"toy-{i}", prompt=p, answer=None) for i, p in enumerate(self.prompts[:n])]
+
+    def score(self, problem, completion):
+        words = completion.split()
+        return float(bool(words) and words[0] in self.allowed)
+
+
+def first_disagreement(target, draft, seed: int = 0) -> tuple[str, str, str]:
+    """A prompt where target and draft disagree on the first greedy token, and the two tokens."""
+    rng = random.Random(seed)
+    for _ in range(500):
+        prompt = " ".join(f"w{rng.randrange(30)}" for _ in range(rng.randint(2, 6)))
+        ids = target.tokenizer(prompt).input_ids
+        target.reset()
+        draft.reset()
+        t = int(target.forward(ids)[0][0].argmax())
+        d = int(draft.forward(ids)[0][0].argmax())
+        if t != d and 1 not in (t, d):
+            return prompt, target.tokenizer.decode([t]), target.tokenizer.decode([d])
+    raise AssertionError("no disagreement found")
+
+
+CFG = dict(rollouts=4, max_rollout_tokens=4, max_walk_tokens=6, min_target_rate=-1.0, mode="mul", alpha=0.5)
+
+
+@pytest.fixture
+def pair(tiny_dir, load):
+    return load(tiny_dir["llama_target"]), load(tiny_dir["llama_draft"])
+
+
+def first_candidate(records):
+    return next(r for r in records if r["type"] == "candidate" and r["step"] == 0)
+
+
+def test_destructive_mismatch_is_pivot_and_harmless_one_is_not(pair, tmp_path):
+    target, draft = pair
+    prompt, t, d = first_disagreement(target, draft)
+    cfg = LabelConfig(**CFG)
+    only_t = FirstTokenTask([prompt], {t})
+    recs = run_labeling(target, draft, only_t, only_t.problems("train", 1), cfg, tmp_path / "a.jsonl", progress=False)
+    rec = first_candidate(recs)
+    assert (rec["u_acc"], rec["u_rej"], rec["label"]) == (0.0, 1.0, 1)
+    both = FirstTokenTask([prompt], {t, d})
+    recs = run_labeling(target, draft, both, both.problems("train", 1), cfg, tmp_path / "b.jsonl", progress=False)
+    rec = first_candidate(recs)
+    assert (rec["u_acc"], rec["u_rej"], rec["label"]) == (1.0, 1.0, 0)
+    # A non-pivot d is followed, so the walk's next prefix continues with d.
+    nxt = next((r for r in recs if r["type"] == "candidate" and r["step"] > 0), None)
+    if nxt is not None:
+        assert nxt["prefix_ids"][rec["prompt_len"]] == rec["d"]
+
+
+def toy(pair, n=4):
+    target, draft = pair
+    prompts = [first_disagreement(target, draft, seed=s)[0] for s in range(n)]
+    _, t, _ = first_disagreement(target, draft, seed=0)
+    return FirstTokenTask(prompts, {t})
+
+
+def test_interrupted_run_resumes_to_the_same_records(pair, tmp_path, monkeypatch):
+    task = toy(pair)
+    cfg = LabelConfig(**{**CFG, "temperature": 1.0})
+    full = run_labeling(*pair, task, task.problems("train", 4), cfg, tmp_path / "full.jsonl", progress=False)
+    assert sum(r["type"] == "candidate" for r in full) >= 3
+
+    calls = {"n": 0}
+    real_append = store.append_record
+
+    def dying_append(fh, rec):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        real_append(fh, rec)
+
+    out = tmp_path / "resumed.jsonl"
+    monkeypatch.setattr(store, "append_record", dying_append)
+    with pytest.raises(KeyboardInterrupt):
+        run_labeling(*pair, task, task.problems("train", 4), cfg, out, progress=False)
+    monkeypatch.setattr(store, "append_record", real_append)
+    assert len(store.read_records(out)) == 3
+    # Kill mid-write too: a partial last line must be dropped, not kept or duplicated.
+    with out.open("a") as fh:
+        fh.write('{"type": "candidate", "problem_id": "toy-1", "st')
+    resumed = run_labeling(*pair, task, task.problems("train", 4), cfg, out, progress=False)
+    key = lambda r: (r["type"], r["problem_id"], r.get("step", -1))  # noqa: E731
+    assert sorted(resumed, key=key) == sorted(full, key=key)
+    assert len(resumed) == len({key(r) for r in resumed})
+    again = run_labeling(*pair, task, task.problems("train", 4), cfg, out, progress=False)
+    assert again == resumed  # a finished file is left alone
+
+
+def test_resume_refuses_a_different_configuration(pair, tmp_path):
+    task = toy(pair, n=1)
+    out = tmp_path / "l.jsonl"
+    run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
+    with pytest.raises(UsageError, match="different config"):
+        run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**{**CFG, "alpha": 0.9}), out,
+                     progress=False)
+    recs = run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**{**CFG, "alpha": 0.9}), out,
+                        overwrite=True, progress=False)
+    assert all(r["config"]["alpha"] == 0.9 for r in recs)
+
+
+def test_truncated_file_repair_and_malformed_middle_line(tmp_path):
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"a": 1}\n{"a": 2}\n{"a": 3')
+    assert store.read_records(f) == [{"a": 1}, {"a": 2}]
+    assert f.read_text() == '{"a": 1}\n{"a": 2}\n'
+    f.write_text('{"a": 1}\nnot json\n{"a": 3}\n')
+    with pytest.raises(UsageError, match="x.jsonl:2: malformed"):
+        store.read_records(f)
+
+
+def test_pivot_rules():
+    assert is_pivot(0.2, 0.9, "mul", 0.5) and not is_pivot(0.5, 0.9, "mul", 0.5)
+    assert is_pivot(0.2, 0.9, "add", 0.5) and not is_pivot(0.5, 0.9, "add", 0.5)
+    assert is_pivot(0.2, 0.9, "abs", 0.3) and not is_pivot(0.4, 0.9, "abs", 0.3)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"rollouts": 0}, "--rollouts"), ({"alpha": 1.5}, "--alpha"),
+                                          ({"alpha": 0.0}, "--alpha"), ({"mode": "x"}, "--mode"),
+                                          ({"temperature": -1}, "temperature")])
+def test_bad_label_config(kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        LabelConfig(**kwargs)
+
+
+def test_label_cli_errors_and_stats(tiny_dir, tmp_path, capsys):
+    t, d = str(tiny_dir["llama_target"]), str(tiny_dir["llama_draft"])
+    for argv, expected in [
+        (["label", "--target", t, "--draft", d, "--task", "nope", "--out", str(tmp_path / "o.jsonl")], "unknown task"),
+        (["label", "--target", t, "--draft", d, "--rollouts", "0", "--out", str(tmp_path / "o.jsonl")], "--rollouts"),
+        (["label", "--target", t, "--draft", d, "--alpha", "2", "--out", str(tmp_path / "o.jsonl")], "--alpha"),
+        (["labels", "stats", str(tmp_path / "missing.jsonl")], "does not exist"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and expected in err, err
+    f = tmp_path / "s.jsonl"
+    recs = [{"type": "candidate", "problem_id": "p", "step": i, "u_acc": i / 4, "u_rej": 1.0, "label": int(i < 2),
+             "n_rollouts": 8} for i in range(4)] + [{"type": "problem", "problem_id": "p", "status": "done"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["labels", "stats", str(f), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats == label_stats(recs)
+    assert stats["candidates"] == 4 and stats["pivots"] == 2 and stats["pivot_share"] == 0.5
+    assert stats["u_acc_hist"][0] == 1 and stats["u_rej_hist"][9] == 4
