@@ -30,6 +30,12 @@ def timed(fn) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(c) for c in conts)
 
 
+def rollouts(way: str, lm, head, firsts, cfg, max_tokens, stop, gen):
+    if way == "batched":
+        return batched_rollouts(lm, head, firsts, cfg, max_tokens, stop, gen)
+    return [c for f in firsts for c in batched_rollouts(lm, head, [f], cfg, max_tokens, stop, gen)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="testbed-target")
@@ -54,20 +60,10 @@ def main() -> None:
         totals = {"batched": [0.0, 0], "sequential": [0.0, 0]}
         for i, prefix in enumerate(prefixes):
             firsts = [prefix[-1]] * (2 * args.rollouts)
-            head = prefix[:-1]
-
-            def batched():
-                return batched_rollouts(lm, head, firsts, cfg, args.max_rollout_tokens, stop,
-                                        seeded_generator(r, i))
-
-            def sequential():
-                gen = seeded_generator(r, i)
-                return [c for f in firsts for c in batched_rollouts(lm, head, [f], cfg, args.max_rollout_tokens,
-                                                                    stop, gen)]
-
-            for name, fn in ((("batched", batched), ("sequential", sequential)) if r % 2 == 0
-                             else (("sequential", sequential), ("batched", batched))):
-                secs, tokens = timed(fn)
+            ways = ["batched", "sequential"] if r % 2 == 0 else ["sequential", "batched"]
+            for name in ways:
+                secs, tokens = timed(lambda name=name, prefix=prefix, firsts=firsts, i=i, r=r: rollouts(
+                    name, lm, prefix[:-1], firsts, cfg, args.max_rollout_tokens, stop, seeded_generator(r, i)))
                 totals[name][0] += secs
                 totals[name][1] += tokens
         for name, (secs, tokens) in totals.items():
