@@ -37,8 +37,11 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--classifier", help="pivot classifier for --method pad: const:SCORE (a constant score)")
-    g.add_argument("--sigma", type=float, default=0.5, help="PAD: override when pivot score <= sigma (0 = SD)")
+    g.add_argument("--classifier", help="pivot classifier for --method pad: a directory from train-classifier, "
+                   "or const:SCORE (a constant score, for ablations)")
+    g.add_argument("--sigma", type=float, default=None,
+                   help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
+                   "0.5 for const:)")
     g.add_argument("--tau", type=float, default=1e-4, help="PAD: overrides need target prob >= tau")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -85,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--seed", type=int, default=0)
     lab.set_defaults(func=cmd_label)
 
+    from pivotspec.classifier_cli import add_parsers as add_classifier_parsers
+    add_classifier_parsers(sub, add_model_args)
+
     labels = sub.add_parser("labels", help="inspect a labels file")
     labels_sub = labels.add_subparsers(dest="labels_command", required=True, parser_class=_Parser)
     st = labels_sub.add_parser("stats", help="counts, pivot share, U distributions, candidates per problem")
@@ -127,20 +133,31 @@ def load_models(args: argparse.Namespace, needs_draft: bool):
     return target, draft
 
 
-def make_policy(args: argparse.Namespace, method: str, target=None):
+def make_policy(args: argparse.Namespace, method: str, target=None, sigma: float | None = None):
+    """The acceptance policy for ``method``; a trained classifier is checked against ``target``."""
     from pivotspec.acceptance import PAD, Lossless, constant_classifier
 
     if method != "pad":
         return Lossless()
+    sigma = sigma if sigma is not None else args.sigma
     if not args.classifier:
-        raise UsageError("--method pad needs a pivot classifier: pass --classifier (e.g. const:0.2)")
+        raise UsageError("--method pad needs a pivot classifier: pass --classifier DIR (or const:SCORE)")
     if args.classifier.startswith("const:"):
         try:
             score = float(args.classifier.split(":", 1)[1])
         except ValueError:
             raise UsageError(f"bad classifier {args.classifier!r}: write const:SCORE with SCORE in [0, 1]") from None
-        return PAD(constant_classifier(score), sigma=args.sigma, tau=args.tau)
-    raise UsageError(f"classifier {args.classifier!r} not understood: use const:SCORE")
+        return PAD(constant_classifier(score), sigma=0.5 if sigma is None else sigma, tau=args.tau)
+    from pivotspec.classifier_cli import load_for_target
+
+    if target is None:
+        from pivotspec.classifier import load
+
+        load(Path(args.classifier))  # validates the directory before any model is loaded
+        return None
+    classify, config = load_for_target(Path(args.classifier), target)
+    return PAD(classify, sigma=config["sigma"] if sigma is None else sigma, tau=args.tau,
+               hidden_layer=config["layer"])
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
@@ -180,8 +197,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     validate_decoding(args)
     method = args.method or ("sd" if (args.draft or args.pair) else "ar")
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [{"prompt": args.prompt}]
-    policy = make_policy(args, method)
+    make_policy(args, method)  # argument errors before the (slow) model loading
     target, draft = load_models(args, needs_draft=method != "ar")
+    policy = make_policy(args, method, target)
     cfg = SamplingConfig(args.temperature, args.top_k, args.top_p)
     for item in prompts:
         ids = encode_prompt(target.tokenizer, item.get("prompt"), item.get("messages"), chat=args.chat)

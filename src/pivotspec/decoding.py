@@ -135,7 +135,8 @@ def generate(
         v = None
         if drafts:
             d = torch.tensor(drafts)
-            v = Verification(d, logits, proposal.logits, cfg, hidden, q=proposal.q)
+            h = hidden[: len(drafts)] if hidden is not None else None  # rows that predict each draft token
+            v = Verification(d, logits, proposal.logits, cfg, h, q=proposal.q)
             if cfg.greedy:
                 v.sd_ok = logits[: len(drafts)].argmax(-1) == d
             else:

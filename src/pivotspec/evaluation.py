@@ -98,7 +98,7 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_specs(args: argparse.Namespace) -> list[MethodSpec]:
+def parse_specs(args: argparse.Namespace, target=None) -> list[MethodSpec]:
     from pivotspec.cli import make_policy
     from pivotspec.decoding import METHODS
 
@@ -106,7 +106,9 @@ def parse_specs(args: argparse.Namespace) -> list[MethodSpec]:
     for m in [m.strip() for m in args.methods.split(",") if m.strip()]:
         if m not in METHODS:
             raise UsageError(f"unknown method {m!r} in --methods: choose from {', '.join(METHODS)}")
-        specs.append(MethodSpec(f"pad@{args.sigma:g}" if m == "pad" else m, m, make_policy(args, m)))
+        policy = make_policy(args, m, target)
+        label = f"pad@{policy.sigma:g}" if m == "pad" and policy is not None else m
+        specs.append(MethodSpec(label, m, policy))
     if not specs:
         raise UsageError("--methods is empty: give e.g. ar,sd")
     return specs
@@ -121,9 +123,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.n < 1:
         raise UsageError(f"--n must be >= 1, got {args.n}")
     task = get_task(args.task)
-    specs = parse_specs(args)
+    specs = parse_specs(args)  # argument errors before the (slow) model loading
     needs_draft = any(s.method != "ar" for s in specs)
     target, draft = load_models(args, needs_draft)
+    specs = parse_specs(args, target)
     if all(s.method == "draft" for s in specs):
         target = None
     problems = task.problems(args.split, args.n, args.seed)

@@ -1,0 +1,174 @@
+"""The pivot classifier (method.md section 3): model types, training, sigma calibration, save and load.
+
+Inputs are what the verification forward already has at each draft position: the target hidden state at
+a chosen layer (default L - 8), the target entropy and p(d), and optionally the draft's entropy and q(d).
+Features are standardised with statistics of the training split, stored with the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pivotspec.errors import UsageError
+from pivotspec.sampling import entropy
+
+TYPES = ("extended_v2", "extended", "mlp", "linear")
+WEIGHTS, CONFIG = "classifier.safetensors", "classifier.json"
+
+
+def n_scalars(kind: str) -> int:
+    return {"extended_v2": 2, "extended": 4}.get(kind, 0)
+
+
+class PivotNet(nn.Module):
+    """extended_v2: Linear(d->64)(h) ++ Linear(2->16)(s) -> Linear(80->128) -> ReLU -> Linear(128->2);
+    extended: the same with 4 scalars (draft entropy and q(d) too); mlp: h -> 128 -> ReLU -> 2; linear: h -> 2."""
+
+    def __init__(self, kind: str, d_model: int):
+        super().__init__()
+        if kind not in TYPES:
+            raise UsageError(f"unknown classifier type {kind!r}: choose one of {', '.join(TYPES)}")
+        self.kind = kind
+        k = n_scalars(kind)
+        self.register_buffer("h_mean", torch.zeros(d_model))
+        self.register_buffer("h_std", torch.ones(d_model))
+        self.register_buffer("s_mean", torch.zeros(max(k, 1)))
+        self.register_buffer("s_std", torch.ones(max(k, 1)))
+        if k:
+            self.h_proj, self.s_proj = nn.Linear(d_model, 64), nn.Linear(k, 16)
+            self.head = nn.Sequential(nn.Linear(80, 128), nn.ReLU(), nn.Linear(128, 2))
+        elif kind == "mlp":
+            self.head = nn.Sequential(nn.Linear(d_model, 128), nn.ReLU(), nn.Linear(128, 2))
+        else:
+            self.head = nn.Linear(d_model, 2)
+
+    def forward(self, h: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
+        h = (h - self.h_mean) / self.h_std
+        if n_scalars(self.kind):
+            s = (s - self.s_mean) / self.s_std
+            return self.head(torch.cat([self.h_proj(h), self.s_proj(s)], dim=-1))
+        return self.head(h)
+
+    def fit_normalisation(self, h: torch.Tensor, s: torch.Tensor | None) -> None:
+        self.h_mean.copy_(h.mean(0))
+        self.h_std.copy_(h.std(0).clamp_min(1e-6))
+        if n_scalars(self.kind):
+            self.s_mean.copy_(s.mean(0))
+            self.s_std.copy_(s.std(0).clamp_min(1e-6))
+
+
+def scalar_features(kind: str, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                    draft_probs: torch.Tensor | None) -> torch.Tensor | None:
+    """[n, k] scalars: target entropy and p(d) (+ draft entropy and q(d) for ``extended``)."""
+    k = n_scalars(kind)
+    if not k:
+        return None
+    idx = draft_tokens[:, None]
+    cols = [entropy(target_probs), target_probs.gather(-1, idx).squeeze(-1)]
+    if k == 4:
+        cols += [entropy(draft_probs), draft_probs.gather(-1, idx).squeeze(-1)]
+    return torch.stack(cols, dim=-1)
+
+
+def pivot_scores(net: PivotNet, h: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.softmax(net(h, s), dim=-1)[:, 1]
+
+
+def train(net: PivotNet, train_x: tuple, train_y: torch.Tensor, val_x: tuple, val_y: torch.Tensor, *,
+          lr: float = 1e-3, epochs: int = 2000, patience: int = 200, weight_decay: float = 1e-2, seed: int = 0,
+          progress=None) -> dict[str, Any]:
+    """Full-batch AdamW with class-balanced cross-entropy; keeps the best validation-loss weights."""
+    torch.manual_seed(seed)
+    net.fit_normalisation(*train_x)
+    counts = torch.bincount(train_y, minlength=2).float().clamp_min(1)
+    loss_fn = nn.CrossEntropyLoss(weight=counts.sum() / (2 * counts))
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+    best, best_state, best_epoch = float("inf"), None, 0
+    for epoch in range(epochs):
+        net.train()
+        opt.zero_grad()
+        loss = loss_fn(net(*train_x), train_y)
+        loss.backward()
+        opt.step()
+        net.eval()
+        with torch.no_grad():
+            val_loss = loss_fn(net(*val_x), val_y).item() if len(val_y) else loss.item()
+        if val_loss < best - 1e-6:
+            best, best_epoch = val_loss, epoch
+            best_state = {k: v.clone() for k, v in net.state_dict().items()}
+        if progress and epoch % 50 == 0:
+            progress(epoch, epochs, loss.item(), val_loss)
+        if epoch - best_epoch > patience:
+            break
+    net.load_state_dict(best_state)
+    net.eval()
+    return {"best_val_loss": best, "best_epoch": best_epoch, "epochs_run": epoch + 1}
+
+
+def calibrate_sigma(scores: torch.Tensor, labels: torch.Tensor, target_recall: float) -> float:
+    """Largest sigma whose pivot recall is >= target_recall. A pivot is caught when its score > sigma
+    (PAD overrides only tokens scoring <= sigma), so at most floor((1 - R) * P) pivots may score <= sigma."""
+    pivots = torch.sort(scores[labels == 1]).values
+    if len(pivots) == 0:
+        return 0.0
+    allowed = int((1 - target_recall) * len(pivots) + 1e-9)
+    if allowed >= len(pivots):
+        return 1.0
+    bound = float(pivots[allowed])  # sigma must stay strictly below this score; round down to a 1e-4 grid
+    return min(1.0, max(0.0, math.floor(bound * 10_000 - 1e-9) / 10_000))
+
+
+def save(path: Path, net: PivotNet, config: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path / WEIGHTS))
+    (path / CONFIG).write_text(json.dumps(config, indent=1))
+
+
+def load(path: Path) -> tuple[PivotNet, dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
+        raise UsageError(f"{path} is not a pivot classifier directory ({CONFIG} + {WEIGHTS}): check --classifier")
+    try:
+        config = json.loads((path / CONFIG).read_text())
+        net = PivotNet(config["type"], config["d_model"])
+        net.load_state_dict(load_file(str(path / WEIGHTS)))
+    except (ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{path} holds a damaged classifier ({first}): train it again") from None
+    net.eval()
+    return net, config
+
+
+def check_compatible(config: dict[str, Any], target) -> None:
+    """A classifier reads one layer of one target; anything else would feed it meaningless features."""
+    made_for = config.get("target", {})
+    if made_for.get("d_model") != target.d_model:
+        raise UsageError(f"classifier expects hidden size {made_for.get('d_model')} but target {target.name!r} has "
+                         f"{target.d_model}: train a classifier for this target")
+    if not 1 <= config["layer"] <= target.num_layers or made_for.get("num_layers") != target.num_layers:
+        raise UsageError(f"classifier reads layer {config['layer']} of a {made_for.get('num_layers')}-layer model but "
+                         f"target {target.name!r} has {target.num_layers} layers: train a classifier for this target")
+    if made_for.get("name") != target.name:
+        raise UsageError(f"classifier was trained for target {made_for.get('name')!r}, not {target.name!r}: "
+                         "train one for this target")
+
+
+def as_policy_classifier(net: PivotNet):
+    """Adapter to the decoding loop's classifier signature (hidden, target probs, draft tokens, draft probs)."""
+
+    def classify(hidden, target_probs, draft_tokens, draft_probs):
+        s = scalar_features(net.kind, target_probs, draft_tokens, draft_probs)
+        return pivot_scores(net, hidden, s)
+
+    return classify

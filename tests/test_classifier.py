@@ -1,0 +1,147 @@
+"""The pivot classifier: learns separable features, round-trips, refuses the wrong target, and sees the
+same features at decode time as offline."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from pivotspec import classifier as clf
+from pivotspec import features, metrics
+from pivotspec.acceptance import PAD
+from pivotspec.classifier_cli import load_for_target, train_from_labels
+from pivotspec.cli import main
+from pivotspec.decoding import decode
+from pivotspec.errors import UsageError
+
+
+def synthetic(n: int, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, generator=g) < 0.3).long()
+    direction = torch.randn(d, generator=g)
+    h = torch.randn(n, d, generator=g) + 1.5 * y[:, None] * direction / direction.norm() * 2
+    s = torch.stack([torch.rand(n, generator=g) + y, torch.rand(n, generator=g) - 0.5 * y], dim=-1)
+    return h, s, y
+
+
+@pytest.mark.parametrize("kind", ["extended_v2", "mlp", "linear"])
+def test_learns_separable_features(kind):
+    h_all, s_all, y_all = synthetic(900, 32, 0)  # one draw: train on 600 rows, validate on the other 300
+    h, s, y = h_all[:600], s_all[:600], y_all[:600]
+    hv, sv, yv = h_all[600:], s_all[600:], y_all[600:]
+    net = clf.PivotNet(kind, 32)
+    k = clf.n_scalars(kind)
+    clf.train(net, (h, s[:, :k] if k else None), y, (hv, sv[:, :k] if k else None), yv, epochs=300, seed=0)
+    scores = clf.pivot_scores(net, hv, sv[:, :k] if k else None)
+    assert metrics.auroc(scores, yv) > 0.95
+
+
+def test_metrics_on_known_values():
+    scores, labels = torch.tensor([0.9, 0.8, 0.3, 0.1]), torch.tensor([1, 0, 1, 0])
+    assert metrics.auroc(scores, labels) == pytest.approx(0.75)
+    assert metrics.average_precision(scores, labels) == pytest.approx((1.0 + 2 / 3) / 2)
+    t = metrics.at_threshold(scores, labels, 0.5)
+    assert (t["tp"], t["fp"], t["fn"], t["tn"]) == (1, 1, 1, 1)
+
+
+def test_calibrated_sigma_meets_recall():
+    g = torch.Generator().manual_seed(1)
+    scores, labels = torch.rand(500, generator=g), (torch.rand(500, generator=g) < 0.4).long()
+    for r in (0.5, 0.8, 0.95, 1.0):
+        sigma = clf.calibrate_sigma(scores, labels, r)
+        assert metrics.at_threshold(scores, labels, sigma)["recall"] >= r
+        # a slightly larger sigma would break the target (sigma is the largest on the 1e-4 grid)
+        if sigma < 1.0:
+            assert metrics.at_threshold(scores, labels, sigma + 2e-4)["recall"] < r or sigma + 2e-4 > 1
+
+
+def fake_labels(path, n_problems=6, seed=0):
+    """Labels whose pivot rule is known: d is a pivot when its token id is even."""
+    rng = random.Random(seed)
+    lines = []
+    for p in range(n_problems):
+        prefix = [rng.randrange(2, 32) for _ in range(4)]
+        for step in range(8):
+            d = rng.randrange(2, 32)
+            lines.append({"type": "candidate", "problem_id": f"p{p}", "step": step, "prefix_ids": prefix[:],
+                          "prompt_len": 4, "d": d, "t": (d + 1) % 30 + 2, "u_acc": 0.1, "u_rej": 0.9,
+                          "label": int(d % 2 == 0), "n_rollouts": 8})
+            prefix.append(rng.randrange(2, 32))
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+@pytest.fixture
+def trained(tiny_dir, load, tmp_path):
+    target = load(tiny_dir["llama_target"])
+    labels = fake_labels(tmp_path / "labels.jsonl")
+    config = train_from_labels(labels, target, tmp_path / "clf", "extended_v2", layer=2, epochs=200)
+    return target, labels, tmp_path / "clf", config
+
+
+def test_save_load_round_trip_and_plots(trained):
+    target, _, out, config = trained
+    net, loaded = clf.load(out)
+    assert loaded == json.loads((out / "classifier.json").read_text())
+    assert loaded["layer"] == 2 and loaded["target"]["name"] == target.name and 0 <= loaded["sigma"] <= 1
+    net2, _ = clf.load(out)
+    h, s = torch.randn(5, target.d_model), torch.rand(5, 2)
+    torch.testing.assert_close(clf.pivot_scores(net, h, s), clf.pivot_scores(net2, h, s), atol=0, rtol=0)
+    assert (out / "roc.png").stat().st_size > 0 and (out / "pr.png").stat().st_size > 0
+
+
+def test_incompatible_target_is_a_one_line_error(trained, tiny_dir, load, capsys):
+    _, labels, out, _ = trained
+    qwen = load(tiny_dir["qwen3_target"])  # same width and depth, other model
+    with pytest.raises(UsageError, match="trained for target"):
+        load_for_target(out, qwen)
+    config = json.loads((out / "classifier.json").read_text())
+    config["target"]["d_model"] = 64  # as if trained for a wider target
+    (out / "classifier.json").write_text(json.dumps(config))
+    code = main(["generate", "--target", str(tiny_dir["llama_target"]), "--draft", str(tiny_dir["llama_draft"]),
+                 "--method", "pad", "--classifier", str(out), "--prompt", "w1 w2"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "hidden size 64" in err
+
+
+def test_pad_with_trained_classifier_and_eval_classifier_cli(trained, tiny_dir, capsys):
+    target, labels, out, config = trained
+    t, d = str(tiny_dir["llama_target"]), str(tiny_dir["llama_draft"])
+    assert main(["generate", "--target", t, "--draft", d, "--method", "pad", "--classifier", str(out),
+                 "--prompt", "w1 w2 w3", "--max-new-tokens", "8", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["stats"]["new_tokens"] > 0
+    assert main(["eval-classifier", "--classifier", str(out), "--labels", str(labels), "--target", t,
+                 "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["n"] == 48 and 0 <= rep["auroc"] <= 1 and len(rep["thresholds"]) == 9
+
+
+def test_decode_time_features_equal_offline_features(tiny_dir, load, tmp_path):
+    """The hidden state and p(d) the classifier gets from the verification forward equal what feature
+    extraction computes offline over the same prefix (the first step's prefixes: prompt + drafts[:i]).
+    The target uses HF's standard init (0.02): with activations of order 1, float32 rounding between the
+    chunked (cached) and the one-pass forward stays far below 1e-5."""
+    from tests.conftest import make_tiny_model
+
+    target = load(make_tiny_model(tmp_path / "t", seed=5, layers=3, init=0.02))
+    draft = load(tiny_dir["llama_draft"])
+    for prompt in ([3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24, 25, 26]):
+        seen = []
+
+        def recording(hidden, target_probs, draft_tokens, draft_probs, seen=seen):
+            seen.append((hidden.clone(), target_probs.clone(), draft_tokens.tolist()))
+            return torch.ones(len(draft_tokens))  # never override
+
+        decode("pad", target, draft, prompt, PAD(recording, sigma=0.5, hidden_layer=2), gamma=4, max_new_tokens=6,
+               eos_ids=set())
+        hidden, probs, drafts = seen[0]
+        records = [{"type": "candidate", "problem_id": "x", "step": i, "prefix_ids": prompt + drafts[:i], "d": d,
+                    "u_rej": 1.0, "label": i % 2} for i, d in enumerate(drafts)]
+        feats = features.extract(target, records, layer=2)
+        torch.testing.assert_close(feats["hidden"], hidden, atol=1e-5, rtol=0)
+        p_d = probs.gather(-1, torch.tensor(drafts)[:, None]).squeeze(-1)
+        torch.testing.assert_close(feats["scalars"][:, 1], p_d, atol=1e-5, rtol=0)
