@@ -38,6 +38,7 @@ class Verification:
         if q is not None:
             self.__dict__["q"] = q  # the sampler already computed the draft distributions
         self.sd_ok = torch.zeros(draft_tokens.shape[0], dtype=torch.bool)  # the lossless rule's decision
+        self.u: torch.Tensor | None = None  # sampling: the uniforms SD compared p/q against
 
     @cached_property
     def p(self) -> torch.Tensor:

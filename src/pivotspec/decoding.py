@@ -140,8 +140,8 @@ def generate(
             if cfg.greedy:
                 v.sd_ok = logits[: len(drafts)].argmax(-1) == d
             else:
-                u = torch.rand(len(drafts), generator=generator)
-                v.sd_ok = u * v.draft_prob(v.q) <= v.draft_prob(v.p)
+                v.u = torch.rand(len(drafts), generator=generator)
+                v.sd_ok = v.u * v.draft_prob(v.q) <= v.draft_prob(v.p)
             override = policy.override(v) & ~v.sd_ok
             stats["policy_s"] += time.perf_counter() - t2
             kept = v.sd_ok | override
