@@ -30,20 +30,33 @@ class Task(Protocol):
     def score(self, problem: Problem, completion: str) -> float: ...
 
 
-def _arith() -> Task:
+def _arith(data: str | None) -> Task:
     from pivotspec.tasks.arith import ArithTask
 
     return ArithTask()
 
 
-TASKS: dict[str, Callable[[], Task]] = {"arith": _arith}
+def _dataset(cls_name: str) -> Callable[[str | None], Task]:
+    def make(data: str | None) -> Task:
+        from pivotspec.tasks import datasets
+
+        return getattr(datasets, cls_name)(data)
+
+    return make
 
 
-def get_task(name: str) -> Task:
-    """Return the task called ``name``; unknown names give a one-line UsageError."""
+TASKS: dict[str, Callable[[str | None], Task]] = {
+    "arith": _arith, "humaneval": _dataset("HumanEval"), "gsm8k": _dataset("GSM8K"), "mbpp": _dataset("MBPP"),
+    "jsonl": _dataset("JSONLTask"),
+}
+
+
+def get_task(name: str, data: str | None = None) -> Task:
+    """Return the task called ``name`` (``data``: local file for file-backed tasks); unknown names give a
+    one-line UsageError."""
     if name not in TASKS:
         raise UsageError(f"unknown task {name!r}: choose one of {', '.join(sorted(TASKS))}")
-    return TASKS[name]()
+    return TASKS[name](data)
 
 
 def encode_prompt(tokenizer: Any, text: str | None = None, messages: list[dict[str, str]] | None = None,
