@@ -2,7 +2,9 @@
 
 Methods run interleaved per problem (problem 1: ar, sd, ...; problem 2: ar, sd, ...) so that timing
 drift on a shared machine hits every method alike. Speedup is total ``ar`` wall time over the method's
-total wall time on the same problems.
+total wall time on the same problems; its spread is the interquartile range of per-problem ratios.
+With ``--out DIR`` every (problem, method) row is appended to ``results.jsonl`` as soon as it exists, and a
+rerun of the same command resumes after the rows already there.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pivotspec.errors import UsageError
@@ -20,7 +25,7 @@ from pivotspec.errors import UsageError
 @dataclass
 class MethodSpec:
     label: str  # how the method is reported, e.g. "pad@0.5"
-    method: str  # ar | draft | sd | pad
+    method: str  # ar | draft | sd | pad (baselines run as "pad" with their own policy)
     policy: Any = None
 
 
@@ -36,30 +41,46 @@ def wilson_ci(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def run_eval(task, problems, specs: list[MethodSpec], target, draft, *, chat: bool = True, progress=None,
-             **decode_kwargs: Any) -> list[dict[str, Any]]:
-    """One row per (problem, method): the completion, its score and its decoding stats."""
+             done: set[tuple[str, str]] | None = None, emit=None, **decode_kwargs: Any) -> list[dict[str, Any]]:
+    """One row per (problem, method): the completion, its score, its stats and its per-token trace.
+    Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists."""
     from pivotspec.decoding import decode
     from pivotspec.models import eos_ids
     from pivotspec.tasks import encode_problem
 
-    tokenizer = (target or draft).tokenizer
-    stop_ids = eos_ids(target or draft)
+    lm = target or draft
+    stop_ids = eos_ids(lm)
+    stops = list(getattr(task, "stop_strings", [])) + list(decode_kwargs.pop("stop_strings", None) or [])
     rows = []
     for i, problem in enumerate(problems):
-        ids = encode_problem(tokenizer, problem, chat=chat)
+        ids = encode_problem(lm.tokenizer, problem, chat=chat)
         for spec in specs:
-            gen = decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, **decode_kwargs)
-            rows.append({"problem_id": problem.id, "method": spec.label, "completion": gen.text,
-                         "score": task.score(problem, gen.text), "stats": gen.stats,
-                         "trace": [s for _, s in gen.trace]})
+            if done and (problem.id, spec.label) in done:
+                continue
+            gen = decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops,
+                         **decode_kwargs)
+            row = {"problem_id": problem.id, "method": spec.label, "completion": gen.text,
+                   "score": task.score(problem, gen.text), "stats": gen.stats,
+                   "trace": [[lm.tokenizer.decode([t]), s] for t, s in gen.trace]}
+            rows.append(row)
+            if emit:
+                emit(row)
         if progress:
             progress(i + 1, len(problems))
     return rows
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]] if values else [float("nan")] * 2
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
 def summarize(rows: list[dict[str, Any]], baseline: str = "ar") -> dict[str, dict[str, Any]]:
     """Aggregate rows per method; ratios of sums, so long completions weigh by their length."""
     out: dict[str, dict[str, Any]] = {}
+    base_wall = {r["problem_id"]: r["stats"]["wall_s"] for r in rows if r["method"] == baseline}
     for label in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == label]
         n = len(mine)
@@ -69,6 +90,9 @@ def summarize(rows: list[dict[str, Any]], baseline: str = "ar") -> dict[str, dic
         drafted = sum(r["stats"]["drafted"] for r in mine)
         kept = sum(r["stats"]["accepted"] + r["stats"]["overridden"] for r in mine)
         correct = sum(r["score"] for r in mine)
+        ratios = [base_wall[r["problem_id"]] / r["stats"]["wall_s"] for r in mine
+                  if r["problem_id"] in base_wall and r["stats"]["wall_s"] > 0]
+        paired = [r for r in mine if r["problem_id"] in base_wall]
         out[label] = {
             "n": n,
             "accuracy": correct / n,
@@ -79,50 +103,80 @@ def summarize(rows: list[dict[str, Any]], baseline: str = "ar") -> dict[str, dic
             "ms_per_token": 1000 * wall / tokens if tokens else None,
             "wall_s": wall,
             "new_tokens": tokens,
+            "speedup": (sum(base_wall[r["problem_id"]] for r in paired) / sum(r["stats"]["wall_s"] for r in paired)
+                        if paired and base_wall else None),
+            "speedup_median": statistics.median(ratios) if ratios else None,
+            "speedup_iqr": _quartiles(ratios) if ratios else None,
         }
-    base = out.get(baseline)
-    for s in out.values():
-        s["speedup"] = base["wall_s"] / s["wall_s"] if base and s["wall_s"] else None
     return out
 
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    def fmt(x: Any, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
+    def fmt(x: Any, spec: str, suffix: str = "") -> str:
+        return "-" if x is None else format(x, spec) + suffix
 
-    lines = ["| method | accuracy | 95% CI | tau | eta | ms/token | speedup |", "|---|---|---|---|---|---|---|"]
+    lines = ["| method | accuracy | 95% CI | eta | tau | target fwd/token | ms/token | speedup | speedup IQR |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, s in summary.items():
         lo, hi = s["ci95"]
-        lines.append(f"| {label} | {s['accuracy']:.3f} | [{lo:.3f}, {hi:.3f}] | {fmt(s['tau'], '.2f')} | "
-                     f"{fmt(s['eta'], '.3f')} | {fmt(s['ms_per_token'], '.1f')} | {fmt(s['speedup'], '.2f')}x |")
+        iqr = "-" if not s["speedup_iqr"] else f"{s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}"
+        lines.append(f"| {label} | {s['accuracy']:.3f} | [{lo:.3f}, {hi:.3f}] | {fmt(s['eta'], '.3f')} | "
+                     f"{fmt(s['tau'], '.2f')} | {fmt(s['target_forwards_per_token'], '.3f')} | "
+                     f"{fmt(s['ms_per_token'], '.1f')} | {fmt(s['speedup'], '.2f', 'x')} | {iqr} |")
     return "\n".join(lines)
 
 
 def parse_specs(args: argparse.Namespace, target=None) -> list[MethodSpec]:
+    """ar/draft/sd as named; one pad per --sigmas value; one policy per baseline spec."""
+    from pivotspec.baselines import label as baseline_label
+    from pivotspec.baselines import make_baseline
     from pivotspec.cli import make_policy
     from pivotspec.decoding import METHODS
 
     specs = []
+    sigmas = [float(x) for x in args.sigmas.split(",")] if getattr(args, "sigmas", None) else [None]
     for m in [m.strip() for m in args.methods.split(",") if m.strip()]:
         if m not in METHODS:
             raise UsageError(f"unknown method {m!r} in --methods: choose from {', '.join(METHODS)}")
-        policy = make_policy(args, m, target)
-        label = f"pad@{policy.sigma:g}" if m == "pad" and policy is not None else m
-        specs.append(MethodSpec(label, m, policy))
+        for sigma in sigmas if m == "pad" else [None]:
+            policy = make_policy(args, m, target, sigma)
+            label = f"pad@{policy.sigma:g}" if m == "pad" and policy is not None else m
+            specs.append(MethodSpec(label, m, policy))
+    names = [b for b in (getattr(args, "baselines", None) or "").split(",") if b]
+    for spec in names + list(getattr(args, "baseline", None) or []):
+        policy = make_baseline(spec)
+        specs.append(MethodSpec(baseline_label(policy), "pad", policy))
     if not specs:
         raise UsageError("--methods is empty: give e.g. ar,sd")
     return specs
 
 
+def open_run(out: Path, config: dict[str, Any], overwrite: bool) -> list[dict[str, Any]]:
+    """Prepare ``out`` for appending rows; returns the rows of an earlier run of the same configuration."""
+    from pivotspec.store import read_records
+
+    out.mkdir(parents=True, exist_ok=True)
+    run_file, results = out / "run.json", out / "results.jsonl"
+    if overwrite:
+        results.unlink(missing_ok=True)
+    elif run_file.is_file() and results.is_file():
+        earlier = json.loads(run_file.read_text())
+        if earlier != config:
+            diff = sorted(k for k in set(earlier) | set(config) if earlier.get(k) != config.get(k))
+            raise UsageError(
+                f"{out} holds a run with a different {', '.join(diff)}: pass --overwrite or another --out")
+    run_file.write_text(json.dumps(config, indent=1))
+    return read_records(results)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from pivotspec.cli import load_models, validate_decoding
-    from pivotspec.sampling import SamplingConfig
     from pivotspec.tasks import get_task
 
     validate_decoding(args)
     if args.n < 1:
         raise UsageError(f"--n must be >= 1, got {args.n}")
-    task = get_task(args.task)
+    task = get_task(args.task, args.data)
     specs = parse_specs(args)  # argument errors before the (slow) model loading
     needs_draft = any(s.method != "ar" for s in specs)
     target, draft = load_models(args, needs_draft)
@@ -130,18 +184,53 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if all(s.method == "draft" for s in specs):
         target = None
     problems = task.problems(args.split, args.n, args.seed)
-
-    def progress(done: int, total: int) -> None:
-        print(f"\r{done}/{total} problems", end="" if done < total else "\n", file=sys.stderr, flush=True)
-
-    rows = run_eval(task, problems, specs, target, draft, chat=not args.no_chat, progress=progress,
-                    cfg=SamplingConfig(args.temperature, args.top_k, args.top_p), gamma=args.gamma,
-                    max_new_tokens=args.max_new_tokens, seed=args.seed)
-    summary = summarize(rows)
+    summary = evaluate(args, task, problems, specs, target, draft)
     if args.json:
         print(json.dumps({"methods": summary}))
     else:
         print(format_table(summary))
+        if args.out:
+            print(f"report: {args.out / 'report.html'}")
+
+
+def evaluate(args, task, problems, specs, target, draft) -> dict[str, dict[str, Any]]:
+    """Run (or resume) the evaluation; with --out also write results, summaries, plot and report."""
+    from pivotspec.sampling import SamplingConfig
+    from pivotspec.store import append_record
+
+    config = {"task": args.task, "data": str(args.data) if args.data else None, "split": args.split, "n": args.n,
+              "seed": args.seed, "methods": [s.label for s in specs], "gamma": args.gamma,
+              "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+              "max_new_tokens": args.max_new_tokens, "target": target.name if target else None,
+              "draft": draft.name if draft else None, "chat": not args.no_chat}
+    earlier = open_run(args.out, config, args.overwrite) if args.out else []
+    done = {(r["problem_id"], r["method"]) for r in earlier}
+    start = time.perf_counter()
+    todo = len(problems)
+
+    def progress(i: int, total: int) -> None:
+        rate = (time.perf_counter() - start) / i
+        print(f"\rproblems {i}/{total} | {rate:.1f} s/problem | ETA {rate * (total - i) / 60:.1f} min   ",
+              end="" if i < total else "\n", file=sys.stderr, flush=True)
+
+    fh = (args.out / "results.jsonl").open("a") if args.out else None
+    emit = (lambda r: append_record(fh, r)) if fh else None
+    try:
+        rows = run_eval(task, problems, specs, target, draft, chat=not args.no_chat,
+                        progress=progress if todo else None, done=done, emit=emit,
+                        cfg=SamplingConfig(args.temperature, args.top_k, args.top_p), gamma=args.gamma,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+    finally:
+        if fh:
+            fh.close()
+    wanted = {p.id for p in problems}
+    rows = [r for r in earlier if r["problem_id"] in wanted] + rows
+    summary = summarize(rows)
+    if args.out:
+        from pivotspec.reports import write_reports
+
+        write_reports(args.out, rows, summary, problems, config)
+    return summary
 
 
 def add_eval_parser(sub) -> None:
@@ -150,10 +239,18 @@ def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="run methods side by side on a task")
     add_model_args(ev)
     add_decoding_args(ev)
-    ev.add_argument("--task", default="arith")
+    ev.add_argument("--task", default="arith", help="arith, humaneval, gsm8k, mbpp or jsonl")
+    ev.add_argument("--data", help="local data file for gsm8k, mbpp and jsonl (JSONL or parquet)")
     ev.add_argument("--split", default="test")
     ev.add_argument("--n", type=int, default=20, help="number of problems")
     ev.add_argument("--methods", default="ar,sd", help="comma list of ar, draft, sd, pad")
+    ev.add_argument("--sigmas", help="PAD: one run per sigma, e.g. 0.3,0.5,0.7 (default: the calibrated sigma)")
+    ev.add_argument("--baselines",
+                    help="relaxed rules at default knobs: typical,topk,threshold,ensemble,divergence")
+    ev.add_argument("--baseline", action="append", help="one relaxed rule with knobs, e.g. topk:k=3,ratio=0.2 "
+                    "(repeatable)")
     ev.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
+    ev.add_argument("--out", type=Path, help="write results.jsonl, summary.json/md, pareto.png, report.html here")
+    ev.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval, max_new_tokens=200)

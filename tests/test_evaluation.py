@@ -1,0 +1,94 @@
+"""pivotspec eval: rows, summaries that equal the aggregate of the rows, reports, resume."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+
+import pytest
+
+from pivotspec.cli import main
+from pivotspec.evaluation import summarize, wilson_ci
+from pivotspec.store import read_records
+
+PROMPTS = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "regex": "w1"} for i in range(2, 7)]
+
+
+@pytest.fixture
+def data(tmp_path):
+    f = tmp_path / "data.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return f
+
+
+def eval_args(tiny_dir, data, out, *extra):
+    return ["eval", "--target", str(tiny_dir["llama_target"]), "--draft", str(tiny_dir["llama_draft"]),
+            "--task", "jsonl", "--data", str(data), "--n", "4", "--methods", "ar,sd,pad", "--classifier", "const:0.3",
+            "--sigmas", "0,0.5", "--baselines", "typical,topk", "--max-new-tokens", "10", "--gamma", "3",
+            "--out", str(out), *extra]
+
+
+class SpanCounter(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.in_text, self.counts, self.depth = False, [], 0
+
+    def handle_starttag(self, tag, attrs):
+        cls = dict(attrs).get("class", "")
+        if tag == "div" and cls == "text":
+            self.in_text = True
+            self.counts.append(0)
+        elif tag == "span" and self.in_text and cls.startswith("tok "):
+            self.counts[-1] += 1
+
+    def handle_endtag(self, tag):
+        if tag == "div" and self.in_text:
+            self.in_text = False
+
+
+def test_eval_writes_rows_summaries_and_reports(tiny_dir, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(eval_args(tiny_dir, data, out, "--json")) == 0
+    summary = json.loads(capsys.readouterr().out)["methods"]
+    assert list(summary) == ["ar", "sd", "pad@0", "pad@0.5", "typical(epsilon=0.09,delta=0.3)",
+                             "topk(k=5,ratio=0.3)"]
+    rows = read_records(out / "results.jsonl")
+    assert len(rows) == 4 * 6
+    # a method's summary equals the aggregate of its rows
+    assert summarize(rows) == summary
+    for label, s in summary.items():
+        mine = [r for r in rows if r["method"] == label]
+        correct = sum(r["score"] for r in mine)
+        assert s["accuracy"] == correct / 4 and s["ci95"] == list(wilson_ci(correct, 4))
+        assert s["new_tokens"] == sum(r["stats"]["new_tokens"] for r in mine)
+    assert summary["ar"]["speedup"] == pytest.approx(1.0)
+    # pad with sigma = 0 is SD exactly (greedy)
+    by = {(r["problem_id"], r["method"]): r for r in rows}
+    for pid in {r["problem_id"] for r in rows}:
+        assert by[(pid, "pad@0")]["completion"] == by[(pid, "sd")]["completion"] == by[(pid, "ar")]["completion"]
+    assert json.loads((out / "summary.json").read_text())["methods"] == summary
+    assert "| pad@0.5 |" in (out / "summary.md").read_text()
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    parser = SpanCounter()
+    parser.feed((out / "report.html").read_text())
+    assert parser.counts == [r["stats"]["new_tokens"] for r in rows]
+
+
+def test_eval_resumes_and_refuses_other_configs(tiny_dir, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(eval_args(tiny_dir, data, out)) == 0
+    full = read_records(out / "results.jsonl")
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    (out / "results.jsonl").write_text("".join(lines[:-5]) + lines[-5][:20])  # killed mid-write
+    assert main(eval_args(tiny_dir, data, out)) == 0
+    resumed = read_records(out / "results.jsonl")
+    key = lambda r: (r["problem_id"], r["method"])  # noqa: E731
+    assert sorted(map(key, resumed)) == sorted(map(key, full))
+    assert main(eval_args(tiny_dir, data, out)) == 0
+    assert len(read_records(out / "results.jsonl")) == len(full)  # nothing re-run
+    capsys.readouterr()
+    assert main([*eval_args(tiny_dir, data, out), "--temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "different temperature" in err and len(err.strip().splitlines()) == 1
+    assert main([*eval_args(tiny_dir, data, out), "--temperature", "0.5", "--overwrite"]) == 0
+    assert len(read_records(out / "results.jsonl")) == len(full)
