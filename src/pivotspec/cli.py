@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--seed", type=int, default=0)
     lab.set_defaults(func=cmd_label)
 
+    demo = sub.add_parser("demo", help="the embedded testbed: ar, sd and pad side by side with a report")
+    demo.add_argument("--n", type=int, default=20, help="arith test problems (default 20)")
+    demo.add_argument("--out", type=Path, default=Path("pivotspec-demo"), help="report directory")
+    demo.add_argument("--threads", type=int, default=None)
+    demo.set_defaults(func=cmd_demo)
+
     from pivotspec.classifier_cli import add_parsers as add_classifier_parsers
     add_classifier_parsers(sub, add_model_args)
 
@@ -140,6 +146,10 @@ def make_policy(args: argparse.Namespace, method: str, target=None, sigma: float
     if method != "pad":
         return Lossless()
     sigma = sigma if sigma is not None else args.sigma
+    if not args.classifier and getattr(args, "pair", None) == "testbed":
+        from pivotspec.testbed.artifacts import shipped_classifier
+
+        args.classifier = str(shipped_classifier() or "") or None
     if not args.classifier:
         raise UsageError("--method pad needs a pivot classifier: pass --classifier DIR (or const:SCORE)")
     if args.classifier.startswith("const:"):
@@ -213,6 +223,28 @@ def cmd_generate(args: argparse.Namespace) -> None:
             tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
             eta = f"{s['eta']:.2f}" if s["eta"] is not None else "-"
             print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """eval --pair testbed on arith test problems, with the shipped classifier when there is one."""
+    from pivotspec.evaluation import evaluate, format_table, parse_specs
+    from pivotspec.tasks import get_task
+    from pivotspec.testbed.artifacts import shipped_classifier
+
+    clf_dir = shipped_classifier()
+    methods = "ar,sd,pad" if clf_dir else "ar,sd"
+    ns = build_parser().parse_args(["eval", "--pair", "testbed", "--methods", methods, "--n", str(args.n),
+                                    "--out", str(args.out), "--overwrite"]
+                                   + (["--classifier", str(clf_dir)] if clf_dir else [])
+                                   + (["--threads", str(args.threads)] if args.threads else []))
+    if not clf_dir:
+        print("pivotspec: note: no pivot classifier is shipped yet, so the demo runs ar and sd only",
+              file=sys.stderr)
+    task = get_task("arith")
+    target, draft = load_models(ns, needs_draft=True)
+    summary = evaluate(ns, task, task.problems("test", args.n, 0), parse_specs(ns, target), target, draft)
+    print(format_table(summary))
+    print(f"report: {(args.out / 'report.html').resolve()}")
 
 
 def cmd_label(args: argparse.Namespace) -> None:

@@ -90,4 +90,10 @@ def draft_dir() -> Path:
     return _build_atomically(cache_dir() / f"testbed-draft-{_fingerprint(files)}", build)
 
 
+def shipped_classifier() -> Path | None:
+    """The pivot classifier trained on the testbed labels, if this version ships one."""
+    path = DATA / "classifier"
+    return path if (path / "classifier.json").is_file() else None
+
+
 REGISTERED: dict[str, Callable[[], Path]] = {"testbed-target": target_dir, "testbed-draft": draft_dir}
