@@ -87,3 +87,13 @@ def test_missing_data_file(tmp_path):
     bad_regex = write(tmp_path / "r.jsonl", [{"prompt": "a", "regex": "("}])
     with pytest.raises(UsageError, match="bad regex"):
         get_task("jsonl", str(bad_regex))
+
+
+def test_parquet_fixture(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "g.parquet"
+    pq.write_table(pa.Table.from_pylist(GSM8K), f)
+    task = get_task("gsm8k", str(f))
+    assert [p.answer for p in task.problems("test", 5)] == [7, 24, 1000, 5, 9]

@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-n", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-from", type=Path, help="continue from saved adapters (target_lora.safetensors)")
+    ap.add_argument("--data-offset", type=int, default=0,
+                    help="skip this many train problems (continue on problems not seen in the first run)")
     ap.add_argument("--probe", action="store_true", help="time 3 steps and exit")
     args = ap.parse_args(argv)
 
@@ -127,6 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     names = lora.adapter_names(model.config.num_hidden_layers, args.top_layers)
     adapters = lora.add_adapters(model, names, args.rank, args.alpha)
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        saved = load_file(str(args.init_from))
+        for name, mod in zip(names, adapters, strict=True):
+            mod.lora_a.data.copy_(saved[f"{name}.lora_a"].float())
+            mod.lora_b.data.copy_(saved[f"{name}.lora_b"].float())
     params = [p for a in adapters for p in (a.lora_a, a.lora_b)]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     warmup = max(1, args.steps // 20)
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         t = (step - warmup) / max(1, args.steps - warmup)
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
-    examples = build_examples(tokenizer, args.n_train, args.seed)
+    examples = build_examples(tokenizer, args.n_train + args.data_offset, args.seed)[args.data_offset:]
     stream = batches(examples, args.batch_size, random.Random(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
     log = (args.out / "train_log.jsonl").open("a")
