@@ -215,9 +215,9 @@ class Progress:
         self.rollouts += rollouts
         elapsed = self.clock() - self.start
         rate = self.rollouts / elapsed if elapsed else 0.0
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
+        eta = f"{elapsed / self.done * (self.total - self.done) / 60:.1f} min" if self.done else "-"
         print(f"\rproblems {self.done}/{self.total} | candidates {self.candidates} | {rate:.1f} rollouts/s | "
-              f"ETA {eta / 60:.1f} min   ", end="", file=sys.stderr, flush=True)
+              f"ETA {eta}   ", end="", file=sys.stderr, flush=True)
 
 
 def run_labeling(target: LM, draft: LM, task, problems, cfg: LabelConfig, out, overwrite: bool = False,
