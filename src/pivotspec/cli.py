@@ -171,21 +171,12 @@ def make_policy(args: argparse.Namespace, method: str, target=None, sigma: float
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise UsageError(f"prompts file {str(path)!r} does not exist: check the path")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}:{n}: not a JSON object: the file must be JSONL, one object per line") from None
-        if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
-            raise UsageError(f'{path}:{n}: each line needs a "prompt" or "messages" key')
-        prompts.append(obj)
-    if not prompts:
-        raise UsageError(f"prompts file {str(path)!r} is empty: write one JSON object per line")
+    from pivotspec.store import read_user_jsonl
+
+    prompts = read_user_jsonl(path, "prompts file")
+    for n, obj in enumerate(prompts, 1):
+        if not ({"prompt", "messages"} & obj.keys()):
+            raise UsageError(f'{path}: record {n} needs a "prompt" or "messages" key')
     return prompts
 
 

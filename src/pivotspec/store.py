@@ -54,3 +54,24 @@ def append_record(fh: TextIO, record: dict[str, Any]) -> None:
     fh.write(json.dumps(record) + "\n")
     fh.flush()
     os.fsync(fh.fileno())
+
+
+def read_user_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
+    """A user's JSONL input file (prompts, data): strict, every problem a one-line UsageError naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{what} {str(path)!r} does not exist: check the path")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"{path}:{n}: not valid JSON: the file must be JSONL, one object per line") from None
+        if not isinstance(obj, dict):
+            raise UsageError(f"{path}:{n}: each line must be a JSON object")
+        rows.append(obj)
+    if not rows:
+        raise UsageError(f"{what} {str(path)!r} has no records: write one JSON object per line")
+    return rows

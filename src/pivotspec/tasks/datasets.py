@@ -6,7 +6,6 @@ Code tasks score a completion by running the problem's tests on it in the sandbo
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -23,26 +22,18 @@ def read_rows(path: str | Path | None, required: tuple[str, ...], task: str) -> 
     if path is None:
         raise UsageError(f"task {task} reads a local file: pass --data PATH (JSONL or parquet)")
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"data file {str(path)!r} does not exist: check --data")
-    if path.suffix == ".parquet":
+    if path.suffix == ".parquet" and path.is_file():
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise UsageError("reading parquet needs pyarrow: `pip install pyarrow`, or convert to JSONL") from None
         rows = pq.read_table(path).to_pylist()
+        if not rows:
+            raise UsageError(f"data file {path} has no records")
     else:
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UsageError(f"{path}:{n}: not valid JSON: the file must be JSONL, one object per line") from None
-            if not isinstance(row, dict):
-                raise UsageError(f"{path}:{n}: each line must be a JSON object")
-            rows.append(row)
+        from pivotspec.store import read_user_jsonl
+
+        rows = read_user_jsonl(path, "data file")
     for n, row in enumerate(rows, 1):
         missing = [f for f in required if f not in row]
         if missing:
