@@ -170,3 +170,38 @@ def test_label_cli_errors_and_stats(tiny_dir, tmp_path, capsys):
     assert stats == label_stats(recs)
     assert stats["candidates"] == 4 and stats["pivots"] == 2 and stats["pivot_share"] == 0.5
     assert stats["u_acc_hist"][0] == 1 and stats["u_rej_hist"][9] == 4
+
+
+def test_judge_only_flips_non_pivots_to_pivots(pair, tmp_path, monkeypatch):
+    from pivotspec import labeling
+
+    target, draft = pair
+    prompt, t, d = first_disagreement(target, draft)
+    both = FirstTokenTask([prompt], {t, d})  # the first candidate is a non-pivot by rollouts
+    asked = []
+
+    def always_flip(judge, task):
+        return lambda problem, generated, conts, scores: asked.append(len(conts)) or True
+
+    monkeypatch.setattr(labeling, "make_judge", always_flip)
+    recs = run_labeling(target, draft, both, both.problems("train", 1), LabelConfig(**CFG), tmp_path / "j.jsonl",
+                        judge=target, progress=False)
+    rec = first_candidate(recs)
+    assert rec["judge_flipped"] is True and rec["label"] == 1 and (rec["u_acc"], rec["u_rej"]) == (1.0, 1.0)
+    assert asked and all(n == CFG["rollouts"] for n in asked)
+    only_t = FirstTokenTask([prompt], {t})  # a pivot by rollouts: the judge is not asked
+    asked.clear()
+    recs = run_labeling(target, draft, only_t, only_t.problems("train", 1), LabelConfig(**CFG), tmp_path / "k.jsonl",
+                        judge=target, progress=False)
+    assert first_candidate(recs)["label"] == 1 and "judge_flipped" not in first_candidate(recs)
+
+
+def test_real_judge_runs_on_a_local_model(pair, tmp_path):
+    target, draft = pair
+    prompt, t, d = first_disagreement(target, draft)
+    both = FirstTokenTask([prompt], {t, d})
+    recs = run_labeling(target, draft, both, both.problems("train", 1), LabelConfig(**CFG), tmp_path / "r.jsonl",
+                        judge=draft, progress=False)
+    rec = first_candidate(recs)
+    assert isinstance(rec["judge_flipped"], bool) and rec["label"] == int(rec["judge_flipped"])
+    assert recs[0]["judge"] == draft.name

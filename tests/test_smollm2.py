@@ -45,3 +45,16 @@ def test_rollback_leaves_cache_as_if_rejected_tokens_never_went_in(smollm2):
     smollm2.forward(a, keep_logits=0)
     clean, _ = smollm2.forward(b, keep_logits=len(b))
     torch.testing.assert_close(after, clean, atol=1e-5, rtol=0)
+
+
+def test_gguf_path_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    from pivotspec import models
+
+    calls = []
+    monkeypatch.setattr(models, "convert_gguf", lambda src, out: calls.append((src, out)) or out)
+    gguf = models._smollm2_gguf()
+    source, _ = models.resolve(str(gguf))
+    assert calls == [(gguf, models.cache_dir() / "gguf" / gguf.stem)] and source == calls[0][1]
+    # the registered name goes through the same conversion, into its own cache directory
+    assert models.smollm2_dir() == models.cache_dir() / models.SMOLLM2
+    assert (models.smollm2_dir() / "model.safetensors").is_file()
