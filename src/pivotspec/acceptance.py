@@ -112,7 +112,8 @@ class PAD:
 def constant_classifier(score: float) -> Classifier:
     """A classifier that calls every token a pivot with probability ``score`` (for tests and ablations)."""
 
-    def classify(hidden, target_probs, draft_tokens, draft_probs):
+    def classify(hidden: torch.Tensor | None, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                 draft_probs: torch.Tensor) -> torch.Tensor:
         return torch.full((draft_tokens.shape[0],), float(score))
 
     return classify

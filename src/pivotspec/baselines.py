@@ -121,7 +121,7 @@ BASELINES = {"typical": Typical, "topk": TopK, "threshold": Threshold, "ensemble
              "divergence": Divergence}
 
 
-def make_baseline(spec: str):
+def make_baseline(spec: str) -> Typical | TopK | Threshold | Ensemble | Divergence:
     """``name`` or ``name:knob=value,knob=value`` -> policy; bad specs are one-line UsageErrors."""
     name, _, knobs = spec.partition(":")
     if name not in BASELINES:
@@ -145,7 +145,7 @@ def make_baseline(spec: str):
     return policy
 
 
-def label(policy) -> str:
+def label(policy: Typical | TopK | Threshold | Ensemble | Divergence) -> str:
     """A short label with the knobs, for tables and plots: topk(k=5,ratio=0.3)."""
     knobs = ",".join(f"{f.name}={getattr(policy, f.name):g}" if isinstance(getattr(policy, f.name), float)
                      else f"{f.name}={getattr(policy, f.name)}"

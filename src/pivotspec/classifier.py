@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ def pivot_scores(net: PivotNet, h: torch.Tensor, s: torch.Tensor | None) -> torc
 
 def train(net: PivotNet, train_x: tuple, train_y: torch.Tensor, val_x: tuple, val_y: torch.Tensor, *,
           lr: float = 1e-3, epochs: int = 2000, patience: int = 200, weight_decay: float = 1e-2, seed: int = 0,
-          progress=None) -> dict[str, Any]:
+          progress: Callable[[int, int, float, float], None] | None = None) -> dict[str, Any]:
     """Full-batch AdamW with class-balanced cross-entropy; keeps the best validation-loss weights."""
     torch.manual_seed(seed)
     net.fit_normalisation(*train_x)
@@ -150,7 +151,7 @@ def load(path: Path) -> tuple[PivotNet, dict[str, Any]]:
     return net, config
 
 
-def check_compatible(config: dict[str, Any], target) -> None:
+def check_compatible(config: dict[str, Any], target: Any) -> None:
     """A classifier reads one layer of one target; anything else would feed it meaningless features."""
     made_for = config.get("target", {})
     if made_for.get("d_model") != target.d_model:
@@ -164,10 +165,11 @@ def check_compatible(config: dict[str, Any], target) -> None:
                          "train one for this target")
 
 
-def as_policy_classifier(net: PivotNet):
+def as_policy_classifier(net: PivotNet) -> Callable[..., torch.Tensor]:
     """Adapter to the decoding loop's classifier signature (hidden, target probs, draft tokens, draft probs)."""
 
-    def classify(hidden, target_probs, draft_tokens, draft_probs):
+    def classify(hidden: torch.Tensor, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                 draft_probs: torch.Tensor) -> torch.Tensor:
         s = scalar_features(net.kind, target_probs, draft_tokens, draft_probs)
         return pivot_scores(net, hidden, s)
 

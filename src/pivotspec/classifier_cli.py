@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from pivotspec import classifier as clf
 from pivotspec import features, metrics
 from pivotspec.errors import UsageError
+from pivotspec.models import LM
 
 
 def _xs(kind: str, feats: dict[str, torch.Tensor], mask: torch.Tensor) -> tuple:
@@ -21,9 +23,9 @@ def _xs(kind: str, feats: dict[str, torch.Tensor], mask: torch.Tensor) -> tuple:
     return feats["hidden"][mask], s
 
 
-def train_from_labels(labels: Path, target, out: Path, kind: str = "extended_v2", layer: int | None = None,
-                      target_recall: float = 0.95, draft=None, epochs: int = 2000, lr: float = 1e-3,
-                      seed: int = 0, progress=None) -> dict[str, Any]:
+def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended_v2", layer: int | None = None,
+                      target_recall: float = 0.95, draft: LM | None = None, epochs: int = 2000, lr: float = 1e-3,
+                      seed: int = 0, progress: Callable | None = None) -> dict[str, Any]:
     """Extract features, train with a by-problem 80/20 split, calibrate sigma, save; returns the config."""
     from pivotspec.labeling import model_identity
     from pivotspec.store import read_records
@@ -65,7 +67,7 @@ def train_from_labels(labels: Path, target, out: Path, kind: str = "extended_v2"
     return config
 
 
-def load_for_target(path: Path, target):
+def load_for_target(path: Path, target: LM) -> tuple[Callable[..., torch.Tensor], dict[str, Any]]:
     """A trained classifier as the decoding loop's callable, checked against ``target``."""
     net, config = clf.load(path)
     clf.check_compatible(config, target)
@@ -124,7 +126,7 @@ def cmd_eval_classifier(args: argparse.Namespace) -> None:
         print(f"ROC and PR curves in {plots}")
 
 
-def add_parsers(sub, add_model_args) -> None:
+def add_parsers(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
     tr = sub.add_parser("train-classifier", help="train a pivot classifier on a labels file")
     add_model_args(tr)
     tr.add_argument("--labels", type=Path, required=True)

@@ -6,9 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pivotspec.errors import UsageError
+
+if TYPE_CHECKING:
+    from pivotspec.decoding import Generation
+    from pivotspec.models import LM
 
 
 class _Parser(argparse.ArgumentParser):
@@ -127,7 +131,7 @@ def resolve_pair(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str 
     return target, draft
 
 
-def load_models(args: argparse.Namespace, needs_draft: bool):
+def load_models(args: argparse.Namespace, needs_draft: bool) -> tuple[LM, LM | None]:
     """Load target (and draft) once; the draft must share the target's tokenizer."""
     from pivotspec.models import check_same_tokenizer, load_lm
 
@@ -139,7 +143,8 @@ def load_models(args: argparse.Namespace, needs_draft: bool):
     return target, draft
 
 
-def make_policy(args: argparse.Namespace, method: str, target=None, sigma: float | None = None):
+def make_policy(args: argparse.Namespace, method: str, target: LM | None = None,
+                sigma: float | None = None) -> Any:
     """The acceptance policy for ``method``; a trained classifier is checked against ``target``."""
     from pivotspec.acceptance import PAD, Lossless, constant_classifier
 
@@ -180,7 +185,7 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
     return prompts
 
 
-def generation_json(gen, tokenizer) -> dict[str, Any]:
+def generation_json(gen: Generation, tokenizer: Any) -> dict[str, Any]:
     return {
         "text": gen.text,
         "token_ids": gen.token_ids,

@@ -15,11 +15,16 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pivotspec.errors import UsageError
+
+if TYPE_CHECKING:
+    from pivotspec.models import LM
+    from pivotspec.tasks import Problem, Task
 
 
 @dataclass
@@ -40,8 +45,10 @@ def wilson_ci(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def run_eval(task, problems, specs: list[MethodSpec], target, draft, *, chat: bool = True, progress=None,
-             done: set[tuple[str, str]] | None = None, emit=None, **decode_kwargs: Any) -> list[dict[str, Any]]:
+def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], target: LM | None, draft: LM | None, *,
+             chat: bool = True, progress: Callable[[int, int], None] | None = None,
+             done: set[tuple[str, str]] | None = None, emit: Callable[[dict], None] | None = None,
+             **decode_kwargs: Any) -> list[dict[str, Any]]:
     """One row per (problem, method): the completion, its score, its stats and its per-token trace.
     Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists."""
     from pivotspec.decoding import decode
@@ -126,7 +133,7 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_specs(args: argparse.Namespace, target=None) -> list[MethodSpec]:
+def parse_specs(args: argparse.Namespace, target: LM | None = None) -> list[MethodSpec]:
     """ar/draft/sd as named; one pad per --sigmas value; one policy per baseline spec."""
     from pivotspec.baselines import label as baseline_label
     from pivotspec.baselines import make_baseline
@@ -193,7 +200,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
             print(f"report: {args.out / 'report.html'}")
 
 
-def evaluate(args, task, problems, specs, target, draft) -> dict[str, dict[str, Any]]:
+def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], specs: list[MethodSpec],
+             target: LM | None, draft: LM | None) -> dict[str, dict[str, Any]]:
     """Run (or resume) the evaluation; with --out also write results, summaries, plot and report."""
     from pivotspec.sampling import SamplingConfig
     from pivotspec.store import append_record
@@ -233,7 +241,7 @@ def evaluate(args, task, problems, specs, target, draft) -> dict[str, dict[str, 
     return summary
 
 
-def add_eval_parser(sub) -> None:
+def add_eval_parser(sub: Any) -> None:
     from pivotspec.cli import add_decoding_args, add_model_args
 
     ev = sub.add_parser("eval", help="run methods side by side on a task")

@@ -15,12 +15,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pivotspec.errors import UsageError
 from pivotspec.models import LM
 from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from pivotspec.tasks import Problem, Task
 
 MODES = ("mul", "add", "abs")
 
@@ -108,7 +113,8 @@ def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: Sa
     return outs
 
 
-def success_rates(task, problem, tokenizer, generated: list[int], conts: list[list[int]], n: int):
+def success_rates(task: Task, problem: Problem, tokenizer: Any, generated: list[int], conts: list[list[int]],
+                  n: int) -> tuple[float, float, list[float]]:
     """Scores of the continuations; the first n follow d, the last n follow t."""
     scores = [task.score(problem, tokenizer.decode(generated + c, skip_special_tokens=True)) for c in conts]
     return sum(scores[:n]) / n, sum(scores[n:]) / n, scores
@@ -119,7 +125,8 @@ def model_identity(lm: LM) -> dict:
     return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size}
 
 
-def screen_rate(target: LM, task, problem, prompt: list[int], cfg: LabelConfig, stop_ids: set[int]) -> float:
+def screen_rate(target: LM, task: Task, problem: Problem, prompt: list[int], cfg: LabelConfig,
+                stop_ids: set[int]) -> float:
     """The target's success rate from the prompt over N sampled completions."""
     gen = seeded_generator(cfg.seed, problem.id, "screen")
     scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
@@ -130,8 +137,9 @@ def screen_rate(target: LM, task, problem, prompt: list[int], cfg: LabelConfig, 
     return sum(task.score(problem, t) for t in texts) / len(texts)
 
 
-def label_problem(target: LM, draft: LM, task, problem, cfg: LabelConfig, stop_ids: set[int],
-                  known: dict[int, dict], base: dict, emit, judge=None) -> dict:
+def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: LabelConfig, stop_ids: set[int],
+                  known: dict[int, dict], base: dict, emit: Callable[[dict], None],
+                  judge: Callable[..., bool] | None = None) -> dict:
     """Walk one problem, emitting a record per new candidate; ``known`` holds candidates of an earlier
     run (by step) that are reused instead of rolled out again. Returns the problem's summary record."""
     from pivotspec.tasks import encode_problem
@@ -178,7 +186,7 @@ def label_problem(target: LM, draft: LM, task, problem, cfg: LabelConfig, stop_i
     return {**summary, "status": "done", "candidates": n_candidates, "walk_tokens": len(generated)}
 
 
-def make_judge(judge: LM, task) -> Callable:
+def make_judge(judge: LM, task: Task) -> Callable[..., bool]:
     """A soundness check (method.md section 2, step 5) with a local model: it reads the median-length
     correct rollout after d and answers Yes/No to "is every step correct?". It can only flip a non-pivot
     to a pivot. The authors used a hosted model here; any local HF causal LM works, quality varies."""
@@ -187,7 +195,7 @@ def make_judge(judge: LM, task) -> Callable:
     yes = judge.tokenizer("Yes", add_special_tokens=False).input_ids[0]
     no = judge.tokenizer("No", add_special_tokens=False).input_ids[0]
 
-    def flip(problem, generated: list[int], conts: list[list[int]], scores: list[float]) -> bool:
+    def flip(problem: Problem, generated: list[int], conts: list[list[int]], scores: list[float]) -> bool:
         correct = sorted((c for c, s in zip(conts, scores, strict=True) if s > 0), key=len)
         if not correct:
             return False
@@ -220,7 +228,8 @@ class Progress:
               f"ETA {eta}   ", end="", file=sys.stderr, flush=True)
 
 
-def run_labeling(target: LM, draft: LM, task, problems, cfg: LabelConfig, out, overwrite: bool = False,
+def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
+                 overwrite: bool = False,
                  judge: LM | None = None, split: str = "train", progress: bool = True) -> list[dict]:
     """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds."""
     from pivotspec.models import eos_ids

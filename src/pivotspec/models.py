@@ -193,7 +193,8 @@ class LM:
         full[:, self.vocab_map] = logits[:, : self.vocab_map.shape[0]]  # rows past the map (unknown-id row) never win
         return full
 
-    def advance(self, seq: list[int], keep_logits: int = 1, hidden_layer: int | None = None):
+    def advance(self, seq: list[int], keep_logits: int = 1,
+                hidden_layer: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Make the cache hold ``seq`` and return outputs for the last ``keep_logits`` positions of ``seq``.
 
         Reuses the longest cached prefix of ``seq``, rolls back what differs, and feeds the rest. At least

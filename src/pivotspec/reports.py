@@ -14,7 +14,8 @@ MEANING = {"accepted": "accepted by SD", "override": "kept by the PAD/baseline o
            "target": "plain decoding"}
 
 
-def write_reports(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any], problems, config: dict) -> None:
+def write_reports(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any], problems: list[Any],
+                  config: dict) -> None:
     from pivotspec.evaluation import format_table
 
     (out / "summary.json").write_text(json.dumps({"config": config, "methods": summary}, indent=1))
@@ -53,7 +54,7 @@ def _tokens_html(trace: list[list[str]]) -> str:
     return "".join(spans)
 
 
-def report_html(rows: list[dict[str, Any]], summary: dict[str, Any], problems, config: dict) -> str:
+def report_html(rows: list[dict[str, Any]], summary: dict[str, Any], problems: list[Any], config: dict) -> str:
     from pivotspec.evaluation import format_table
 
     legend = " ".join(f'<span class="tok {k}">{html.escape(v)}</span>' for k, v in MEANING.items())
