@@ -21,7 +21,7 @@ import torch
 from pivotspec.acceptance import Lossless, Verification
 from pivotspec.drafting import fit_vocab, propose
 from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, logits_to_probs, residual, sample
+from pivotspec.sampling import SamplingConfig, argmax, logits_to_probs, residual, sample
 
 SOURCES = ("accepted", "override", "corrected", "bonus", "target")
 STAT_COUNTS = ("target_forwards", "draft_forwards", "drafted", *SOURCES)
@@ -138,7 +138,7 @@ def generate(
             h = hidden[: len(drafts)] if hidden is not None else None  # rows that predict each draft token
             v = Verification(d, logits, proposal.logits, cfg, h, q=proposal.q)
             if cfg.greedy:
-                v.sd_ok = logits[: len(drafts)].argmax(-1) == d
+                v.sd_ok = argmax(logits[: len(drafts)]) == d
             else:
                 v.u = torch.rand(len(drafts), generator=generator)
                 v.sd_ok = v.u * v.draft_prob(v.q) <= v.draft_prob(v.p)
@@ -148,7 +148,7 @@ def generate(
             n_kept = int(kept.long().cumprod(0).sum())
             emitted = [(drafts[i], "accepted" if v.sd_ok[i] else "override") for i in range(n_kept)]
         if cfg.greedy:
-            token = int(logits[n_kept].argmax())
+            token = int(argmax(logits[n_kept]))
         else:
             p = v.p if v is not None else logits_to_probs(logits, cfg)
             probs = residual_fn(p[n_kept], v.q[n_kept]) if n_kept < len(drafts) else p[n_kept]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
+from pivotspec.sampling import SamplingConfig, argmax, logits_to_probs, sample
 
 
 @dataclass
@@ -51,7 +51,7 @@ def propose(
         logits = fit_vocab(logits, vocab_size)
         logit_rows.append(logits[0])
         if cfg.greedy:
-            token = int(logits[0].argmax())
+            token = int(argmax(logits[0]))
         else:
             q = logits_to_probs(logits, cfg)
             q_rows.append(q[0])

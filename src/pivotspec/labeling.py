@@ -22,7 +22,7 @@ import torch
 
 from pivotspec.errors import UsageError
 from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
+from pivotspec.sampling import SamplingConfig, argmax, logits_to_probs, sample
 
 if TYPE_CHECKING:
     from pivotspec.tasks import Problem, Task
@@ -158,8 +158,8 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
     draft.reset()
     while len(generated) < cfg.max_walk_tokens:
         seq = prompt + generated
-        t = int(target.advance(seq, keep_logits=1)[0][0].argmax())
-        d = int(draft.advance(seq, keep_logits=1)[0][0].argmax())
+        t = int(argmax(target.advance(seq, keep_logits=1)[0][0]))
+        d = int(argmax(draft.advance(seq, keep_logits=1)[0][0]))
         nxt = t
         if d != t:
             step = len(generated)
