@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 from pivotspec.models import VOCAB_MAP_FILE, quiet_transformers, smollm2_dir
 from pivotspec.tasks import encode_problem, get_task
-from pivotspec.testbed.train_target import batches, build_examples
+from pivotspec.testbed.train_target import batches, build_examples, warmup_cosine
 
 
 def task_vocabulary(examples) -> list[int]:
@@ -91,12 +90,6 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.steps // 30)
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
-
     pad_row = len(token_ids)
     stream = batches(rows, args.batch_size, random.Random(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         ids, mask, labels = next(stream)
         ids = ids.masked_fill(mask == 0, pad_row)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = warmup_cosine(step, args.steps, args.lr, warmup, floor=0.05)
         loss = answer_loss(model, ids, mask, labels)
         opt.zero_grad()
         loss.backward()

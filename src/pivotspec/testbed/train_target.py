@@ -29,6 +29,14 @@ from pivotspec.tasks import encode_problem, get_task
 from pivotspec.testbed import lora
 
 
+def warmup_cosine(step: int, steps: int, peak: float, warmup: int, floor: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay from ``peak`` to ``floor * peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def build_examples(tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     task = get_task("arith")
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -141,12 +149,6 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     warmup = max(1, args.steps // 20)
 
-    def lr_at(step: int) -> float:  # linear warmup, cosine decay to 10%
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
     examples = build_examples(tokenizer, args.n_train + args.data_offset, args.seed)[args.data_offset:]
     stream = batches(examples, args.batch_size, random.Random(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(args.steps):
         ids, mask, labels = next(stream)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = warmup_cosine(step, args.steps, args.lr, warmup, floor=0.1)
         loss = answer_loss(model, ids, mask, labels)
         opt.zero_grad()
         loss.backward()
