@@ -205,3 +205,15 @@ def test_real_judge_runs_on_a_local_model(pair, tmp_path):
     rec = first_candidate(recs)
     assert isinstance(rec["judge_flipped"], bool) and rec["label"] == int(rec["judge_flipped"])
     assert recs[0]["judge"] == draft.name
+
+
+def test_second_writer_is_refused(pair, tmp_path):
+    from pivotspec.store import lock_for_append
+
+    task = toy(pair, n=1)
+    out = tmp_path / "l.jsonl"
+    with out.open("a") as fh:
+        lock_for_append(fh, out)  # as if another labeler were running
+        with pytest.raises(UsageError, match="another pivotspec process is writing"):
+            run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
+    assert run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)

@@ -222,6 +222,10 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
               end="" if i < total else "\n", file=sys.stderr, flush=True)
 
     fh = (args.out / "results.jsonl").open("a") if args.out else None
+    if fh:
+        from pivotspec.store import lock_for_append
+
+        lock_for_append(fh, args.out / "results.jsonl")
     emit = (lambda r: append_record(fh, r)) if fh else None
     try:
         rows = run_eval(task, problems, specs, target, draft, chat=not args.no_chat,

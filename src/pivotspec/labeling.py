@@ -231,14 +231,25 @@ class Progress:
 def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
                  overwrite: bool = False,
                  judge: LM | None = None, split: str = "train", progress: bool = True) -> list[dict]:
-    """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds."""
+    """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds. The file is
+    locked for the run, so a second labeler on the same file stops with a one-line error."""
+    from pivotspec.store import lock_for_append
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as lock:  # held for the whole run; checked before reading what is there
+        lock_for_append(lock, out)
+        if overwrite:
+            lock.truncate(0)
+        return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, lock)
+
+
+def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
+                  judge: LM | None, split: str, progress: bool, fh: Any) -> list[dict]:
     from pivotspec.models import eos_ids
     from pivotspec.store import append_record, read_records
 
     base = {"task": task.name, "split": split, "config": cfg.as_dict(), "target": model_identity(target),
             "draft": model_identity(draft), "judge": judge.name if judge else None}
-    if overwrite and out.exists():
-        out.unlink()
     existing = read_records(out)
     for rec in existing[:1]:
         mine = {k: rec.get(k) for k in ("task", "config", "target", "draft", "judge")}
@@ -255,19 +266,18 @@ def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg
     stop_ids = eos_ids(target)
     flip = make_judge(judge, task) if judge is not None else None
     bar = Progress(len(problems)) if progress else None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as fh:
-        def emit(rec: dict) -> None:
-            append_record(fh, rec)
-            if bar:
-                bar.update(candidates=1, rollouts=rec["n_rollouts"])
 
-        for problem in problems:
-            if problem.id not in finished:
-                append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
-                                                known.get(problem.id, {}), base, emit, flip))
-            if bar:
-                bar.update(problems=1)
+    def emit(rec: dict) -> None:
+        append_record(fh, rec)
+        if bar:
+            bar.update(candidates=1, rollouts=rec["n_rollouts"])
+
+    for problem in problems:
+        if problem.id not in finished:
+            append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
+                                            known.get(problem.id, {}), base, emit, flip))
+        if bar:
+            bar.update(problems=1)
     if bar:
         print(file=sys.stderr)
     return read_records(out)

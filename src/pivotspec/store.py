@@ -49,6 +49,17 @@ def read_records(path: Path, repair: bool = True) -> list[dict[str, Any]]:
     return records
 
 
+def lock_for_append(fh: TextIO, path: Path) -> None:
+    """Take an exclusive lock on an open output file, so two runs cannot append to it at once (the
+    second would redo and duplicate what the first is doing)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"another pivotspec process is writing {path}: wait for it or stop it first") from None
+
+
 def append_record(fh: TextIO, record: dict[str, Any]) -> None:
     """Write one record as one line, then flush and fsync so a crash cannot lose it."""
     fh.write(json.dumps(record) + "\n")
