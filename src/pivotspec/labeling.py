@@ -98,7 +98,7 @@ def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: Sa
             break
         model_inputs = inputs if lm.input_map is None else lm.input_map[inputs]
         logits = lm.model(input_ids=model_inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tokens = sample(logits_to_probs(lm._full_vocab(logits.float()), cfg), generator).tolist()
+        tokens = sample(logits_to_probs(lm.full_vocab(logits.float()), cfg), generator).tolist()
         keep = []
         for row, (i, tok) in enumerate(zip(active, tokens, strict=True)):
             outs[i].append(tok)

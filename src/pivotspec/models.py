@@ -182,11 +182,11 @@ class LM:
         self.cached_ids.extend(ids)
         logits = out.logits[0, -keep_logits:].float() if keep_logits > 0 else None
         if logits is not None:
-            logits = self._full_vocab(logits)
+            logits = self.full_vocab(logits)
         hidden = captured[0][0, -keep_logits:].float() if captured and keep_logits > 0 else None
         return logits, hidden
 
-    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_map is None:
             return logits
         full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
