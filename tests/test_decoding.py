@@ -155,3 +155,28 @@ def test_generate_does_not_recompute_the_prompt(tiny_dir, load):
     # prefill: 19 tokens once; then each step feeds 1 pending token + at most gamma drafts.
     assert fed[0] == 19 and all(n <= 4 for n in fed[1:])
     assert sum(fed) == 19 + g.stats["target_forwards"] + g.stats["drafted"]
+
+
+def test_reduced_vocab_draft_drafts_without_full_vocab_logits(tiny_dir, load, tmp_path):
+    """A draft whose output layer covers a subset of ids (the testbed draft's shape): its greedy token is
+    found in its own rows and mapped to an id, which must equal the argmax over the full id space, and
+    greedy SD with it must still equal target-only decoding."""
+    from transformers import AutoModelForCausalLM
+
+    from pivotspec.models import reduced_vocab_lm
+    from tests.conftest import make_tiny_model
+
+    target = load(tiny_dir["llama_target"])
+    token_ids = list(range(1, 32, 2))  # 16 ids; output row 16 is the shared unknown-id row
+    path = make_tiny_model(tmp_path / "reduced", "llama", seed=5, layers=1, vocab=len(token_ids) + 1)
+    draft = reduced_vocab_lm("reduced", AutoModelForCausalLM.from_pretrained(path), target.tokenizer, token_ids,
+                             target.vocab_size)
+    rows = torch.randn(20, len(token_ids) + 1) * 3
+    for row in rows:
+        assert draft.greedy_token(row, target.vocab_size) == int(draft.full_vocab(row[None]).argmax())
+    for i, ids in enumerate(prompts(6, seed=3)):
+        ar = decode("ar", target, None, ids, max_new_tokens=9 + i, eos_ids=set())
+        sd = decode("sd", target, draft, ids, gamma=4, max_new_tokens=9 + i, eos_ids=set())
+        assert sd.token_ids == ar.token_ids
+        dr = decode("draft", None, draft, ids, max_new_tokens=6, eos_ids=set())
+        assert set(dr.token_ids) <= set(token_ids)

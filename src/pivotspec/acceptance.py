@@ -28,17 +28,23 @@ class Verification:
     so it never pays for a softmax over the vocabulary.
     """
 
-    def __init__(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor, draft_logits: torch.Tensor,
-                 cfg: SamplingConfig, hidden: torch.Tensor | None = None, q: torch.Tensor | None = None):
+    def __init__(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                 draft_logits: torch.Tensor | Callable[[], torch.Tensor], cfg: SamplingConfig,
+                 hidden: torch.Tensor | None = None, q: torch.Tensor | None = None):
         self.draft_tokens = draft_tokens  # [g] token ids
         self.target_logits = target_logits  # [g + 1, V]
-        self.draft_logits = draft_logits  # [g, V]
+        self._draft_logits = draft_logits  # [g, V], or a function that builds them on first use
         self.cfg = cfg
         self.hidden = hidden  # [g, d] target hidden state at the positions that predict each draft token
         if q is not None:
             self.__dict__["q"] = q  # the sampler already computed the draft distributions
         self.sd_ok = torch.zeros(draft_tokens.shape[0], dtype=torch.bool)  # the lossless rule's decision
         self.u: torch.Tensor | None = None  # sampling: the uniforms SD compared p/q against
+
+    @cached_property
+    def draft_logits(self) -> torch.Tensor:
+        """[g, V] draft logits over the target's vocabulary."""
+        return self._draft_logits() if callable(self._draft_logits) else self._draft_logits
 
     @cached_property
     def p(self) -> torch.Tensor:

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, argmax, logits_to_probs, sample
+from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
 
 
 @dataclass
 class Proposal:
     tokens: list[int]
-    logits: torch.Tensor  # [g, V] draft logits at each drafted position
+    native_logits: torch.Tensor  # [g, rows of the draft's output layer] at each drafted position
     q: torch.Tensor | None  # [g, V] distributions the tokens were sampled from (None when greedy)
+    to_full: Callable[[torch.Tensor], torch.Tensor]  # output-layer rows -> the target's vocabulary
+
+    @cached_property
+    def logits(self) -> torch.Tensor:
+        """[g, V] draft logits over the target's vocabulary, built only when a policy reads them: greedy
+        lossless SD never does, and for a reduced-vocabulary draft the scatter is a real per-token cost."""
+        return self.to_full(self.native_logits)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -44,19 +53,21 @@ def propose(
     tokens the target rejected and feeds the ones the draft has not seen (at most the correction or
     bonus token and the last accepted draft token), so nothing is recomputed.
     """
+    def to_full(logits: torch.Tensor) -> torch.Tensor:
+        return fit_vocab(draft.full_vocab(logits), vocab_size)
+
     tokens: list[int] = []
     logit_rows, q_rows = [], []
     for _ in range(gamma):
-        logits, _ = draft.advance(seq + tokens, keep_logits=1)
-        logits = fit_vocab(logits, vocab_size)
+        logits, _ = draft.advance(seq + tokens, keep_logits=1, full_vocab=False)
         logit_rows.append(logits[0])
         if cfg.greedy:
-            token = int(argmax(logits[0]))
+            token = draft.greedy_token(logits[0], vocab_size)
         else:
-            q = logits_to_probs(logits, cfg)
+            q = logits_to_probs(to_full(logits), cfg)
             q_rows.append(q[0])
             token = int(sample(q, generator)[0])
         tokens.append(token)
         if token in stop_ids:
             break
-    return Proposal(tokens, torch.stack(logit_rows), torch.stack(q_rows) if q_rows else None)
+    return Proposal(tokens, torch.stack(logit_rows), torch.stack(q_rows) if q_rows else None, to_full)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from pivotspec.errors import UsageError
+from pivotspec.sampling import argmax
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -150,11 +151,12 @@ class LM:
 
     @torch.inference_mode()
     def forward(
-        self, ids: list[int], keep_logits: int = 1, hidden_layer: int | None = None
+        self, ids: list[int], keep_logits: int = 1, hidden_layer: int | None = None, full_vocab: bool = True
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Append ``ids`` to the cache; return float32 logits of the last ``keep_logits`` positions
-        (over the full token-id space) and, if asked, the hidden state after block ``hidden_layer``
-        (HF ``hidden_states[hidden_layer]`` convention: 1 = after the first block) for those positions."""
+        (over the full token-id space, or the output layer's own rows when ``full_vocab`` is False) and,
+        if asked, the hidden state after block ``hidden_layer`` (HF ``hidden_states[hidden_layer]``
+        convention: 1 = after the first block) for those positions."""
         if self.cache is None:
             self.reset()
         captured: list[torch.Tensor] = []
@@ -181,20 +183,28 @@ class LM:
         self.forward_s += time.perf_counter() - start
         self.cached_ids.extend(ids)
         logits = out.logits[0, -keep_logits:].float() if keep_logits > 0 else None
-        if logits is not None:
+        if logits is not None and full_vocab:
             logits = self.full_vocab(logits)
         hidden = captured[0][0, -keep_logits:].float() if captured and keep_logits > 0 else None
         return logits, hidden
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Output-layer logits spread over the full token-id space (-inf for ids a reduced vocabulary lacks)."""
         if self.vocab_map is None:
             return logits
         full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
         full[:, self.vocab_map] = logits[:, : self.vocab_map.shape[0]]  # rows past the map (unknown-id row) never win
         return full
 
-    def advance(self, seq: list[int], keep_logits: int = 1,
-                hidden_layer: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def greedy_token(self, logits: torch.Tensor, vocab_size: int) -> int:
+        """The argmax token id (below ``vocab_size``) of one row of output-layer logits, without spreading a
+        reduced vocabulary over the full id space first (that scatter cost more than the argmax itself)."""
+        if self.vocab_map is None:
+            return int(argmax(logits[:vocab_size]))
+        return int(self.vocab_map[int(argmax(logits[: self.vocab_map.shape[0]]))])
+
+    def advance(self, seq: list[int], keep_logits: int = 1, hidden_layer: int | None = None,
+                full_vocab: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Make the cache hold ``seq`` and return outputs for the last ``keep_logits`` positions of ``seq``.
 
         Reuses the longest cached prefix of ``seq``, rolls back what differs, and feeds the rest. At least
@@ -206,7 +216,7 @@ class LM:
         else:
             common = next(i for i in range(limit) if self.cached_ids[i] != seq[i])
         self.rollback(len(self.cached_ids) - common)
-        return self.forward(seq[common:], keep_logits=keep_logits, hidden_layer=hidden_layer)
+        return self.forward(seq[common:], keep_logits=keep_logits, hidden_layer=hidden_layer, full_vocab=full_vocab)
 
 
 def load_lm(spec: str, dtype: str = "float32", num_threads: int | None = None) -> LM:
