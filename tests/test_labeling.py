@@ -217,3 +217,17 @@ def test_second_writer_is_refused(pair, tmp_path):
         with pytest.raises(UsageError, match="another pivotspec process is writing"):
             run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
     assert run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
+
+
+def test_progress_eta_ignores_resumed_problems(capsys):
+    from pivotspec.labeling import Progress
+
+    bar = Progress(10)
+    bar.clock = lambda: bar.start + 60.0  # one minute has passed
+    for _ in range(5):
+        bar.update(resumed=1)  # finished by an earlier run: instant, must not set the pace
+    bar.update(problems=1, candidates=2, rollouts=40)
+    line = capsys.readouterr().err.split("\r")[-1]
+    assert "problems 6/10" in line and "candidates 2" in line
+    assert "ETA 4.0 min" in line  # 1 problem per minute, 4 to go
+    assert "0.7 rollouts/s" in line

@@ -211,19 +211,21 @@ def make_judge(judge: LM, task: Task) -> Callable[..., bool]:
 
 
 class Progress:
-    """One stderr line: problems, candidates, rollouts/s, ETA."""
+    """One stderr line: problems, candidates, rollouts/s, ETA. Problems finished by an earlier run count
+    as done but not towards the pace, which would otherwise make a resumed run's ETA far too short."""
 
     def __init__(self, total: int):
         self.total, self.start, self.clock = total, time.perf_counter(), time.perf_counter
-        self.done = self.candidates = self.rollouts = 0
+        self.done = self.labeled = self.candidates = self.rollouts = 0
 
-    def update(self, problems: int = 0, candidates: int = 0, rollouts: int = 0) -> None:
-        self.done += problems
+    def update(self, problems: int = 0, candidates: int = 0, rollouts: int = 0, resumed: int = 0) -> None:
+        self.done += problems + resumed
+        self.labeled += problems
         self.candidates += candidates
         self.rollouts += rollouts
         elapsed = self.clock() - self.start
         rate = self.rollouts / elapsed if elapsed else 0.0
-        eta = f"{elapsed / self.done * (self.total - self.done) / 60:.1f} min" if self.done else "-"
+        eta = f"{elapsed / self.labeled * (self.total - self.done) / 60:.1f} min" if self.labeled else "-"
         print(f"\rproblems {self.done}/{self.total} | candidates {self.candidates} | {rate:.1f} rollouts/s | "
               f"ETA {eta}   ", end="", file=sys.stderr, flush=True)
 
@@ -273,11 +275,12 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
             bar.update(candidates=1, rollouts=rec["n_rollouts"])
 
     for problem in problems:
-        if problem.id not in finished:
+        resumed = problem.id in finished
+        if not resumed:
             append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
                                             known.get(problem.id, {}), base, emit, flip))
         if bar:
-            bar.update(problems=1)
+            bar.update(problems=int(not resumed), resumed=int(resumed))
     if bar:
         print(file=sys.stderr)
     return read_records(out)
