@@ -92,3 +92,38 @@ def test_eval_resumes_and_refuses_other_configs(tiny_dir, data, tmp_path, capsys
     assert "different temperature" in err and len(err.strip().splitlines()) == 1
     assert main([*eval_args(tiny_dir, data, out), "--temperature", "0.5", "--overwrite"]) == 0
     assert len(read_records(out / "results.jsonl")) == len(full)
+
+
+def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):
+    """Benchmarks put several gammas in one interleaved run; each spec's gamma must reach the decoder."""
+    from pivotspec.acceptance import Lossless
+    from pivotspec.evaluation import MethodSpec, run_eval
+    from pivotspec.tasks import get_task
+
+    target = load(tiny_dir["llama_target"])
+    task = get_task("jsonl", str(data))
+    specs = [MethodSpec("sd g=1", "sd", Lossless(), 1), MethodSpec("sd g=4", "sd", Lossless(), 4)]
+    rows = run_eval(task, task.problems("test", 3, 0), specs, target, target, chat=False, gamma=2,
+                    max_new_tokens=12)
+    for gamma in (1, 4):
+        for r in (r for r in rows if r["method"] == f"sd g={gamma}"):
+            s = r["stats"]
+            assert s["drafted"] <= gamma * s["target_forwards"]
+            assert s["drafted"] > (gamma - 1) * s["target_forwards"] - gamma  # draft = target: full steps
+
+
+def test_resuming_refuses_a_retrained_classifier(tmp_path):
+    import argparse
+
+    from pivotspec.acceptance import PAD, constant_classifier
+    from pivotspec.evaluation import MethodSpec, classifier_fingerprint
+
+    clf = tmp_path / "clf"
+    clf.mkdir()
+    (clf / "classifier.safetensors").write_bytes(b"weights v1")
+    args = argparse.Namespace(classifier=str(clf))
+    specs = [MethodSpec("pad@0.5", "pad", PAD(constant_classifier(0.0), 0.5))]
+    before = classifier_fingerprint(args, specs)
+    (clf / "classifier.safetensors").write_bytes(b"weights v2")
+    assert classifier_fingerprint(args, specs) != before
+    assert classifier_fingerprint(args, [MethodSpec("sd", "sd")]) is None

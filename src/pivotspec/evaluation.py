@@ -32,6 +32,7 @@ class MethodSpec:
     label: str  # how the method is reported, e.g. "pad@0.5"
     method: str  # ar | draft | sd | pad (baselines run as "pad" with their own policy)
     policy: Any = None
+    gamma: int | None = None  # draft tokens per step for this method only (None: the run's --gamma)
 
 
 def wilson_ci(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -64,8 +65,9 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
         for spec in specs:
             if done and (problem.id, spec.label) in done:
                 continue
+            kwargs = decode_kwargs if spec.gamma is None else {**decode_kwargs, "gamma": spec.gamma}
             gen = decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops,
-                         **decode_kwargs)
+                         **kwargs)
             row = {"problem_id": problem.id, "method": spec.label, "completion": gen.text,
                    "score": task.score(problem, gen.text), "stats": gen.stats,
                    "trace": [[lm.tokenizer.decode([t]), s] for t, s in gen.trace]}
@@ -200,6 +202,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
             print(f"report: {args.out / 'report.html'}")
 
 
+def classifier_fingerprint(args: argparse.Namespace, specs: list[MethodSpec]) -> str | None:
+    """What the PAD runs were scored with, so resuming a run after the classifier was retrained is refused
+    instead of mixing rows from two classifiers."""
+    import hashlib
+
+    from pivotspec.acceptance import PAD
+
+    clf = getattr(args, "classifier", None)
+    if not clf or not any(isinstance(s.policy, PAD) for s in specs):
+        return None
+    if clf.startswith("const:"):
+        return clf
+    digest = hashlib.sha256()
+    for f in sorted(Path(clf).iterdir()):
+        digest.update(f.name.encode() + f.read_bytes())
+    return f"{clf}#{digest.hexdigest()[:12]}"
+
+
 def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], specs: list[MethodSpec],
              target: LM | None, draft: LM | None) -> dict[str, dict[str, Any]]:
     """Run (or resume) the evaluation; with --out also write results, summaries, plot and report."""
@@ -208,6 +228,7 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
 
     config = {"task": args.task, "data": str(args.data) if args.data else None, "split": args.split, "n": args.n,
               "seed": args.seed, "methods": [s.label for s in specs], "gamma": args.gamma,
+              "method_gammas": [s.gamma for s in specs], "classifier": classifier_fingerprint(args, specs),
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "target": target.name if target else None,
               "draft": draft.name if draft else None, "chat": not args.no_chat}
