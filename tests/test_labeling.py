@@ -164,12 +164,18 @@ def test_label_cli_errors_and_stats(tiny_dir, tmp_path, capsys):
     f = tmp_path / "s.jsonl"
     recs = [{"type": "candidate", "problem_id": "p", "step": i, "u_acc": i / 4, "u_rej": 1.0, "label": int(i < 2),
              "n_rollouts": 8} for i in range(4)] + [{"type": "problem", "problem_id": "p", "status": "done"}]
+    recs[0]["rollout_s"] = recs[1]["rollout_s"] = 2.0  # older records lack the field: ignored for the rate
     f.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert main(["labels", "stats", str(f), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats == label_stats(recs)
     assert stats["candidates"] == 4 and stats["pivots"] == 2 and stats["pivot_share"] == 0.5
     assert stats["u_acc_hist"][0] == 1 and stats["u_rej_hist"][9] == 4
+    assert stats["rollouts_per_s"] == 4.0 and stats["rollout_s"] == 4.0
+    share = {(r["mode"], r["alpha"]): r["pivot_share"] for r in stats["rule_sweep"]}
+    assert share[("mul", 0.5)] == 0.5 and share[("abs", 0.7)] == 0.75 and share[("add", 0.3)] == 0.75
+    assert main(["labels", "stats", str(f)]) == 0
+    assert "mul 0.5: 0.500" in capsys.readouterr().out
 
 
 def test_judge_only_flips_non_pivots_to_pivots(pair, tmp_path, monkeypatch):

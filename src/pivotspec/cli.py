@@ -283,6 +283,12 @@ def cmd_labels_stats(args: argparse.Namespace) -> None:
     print("U bins  " + " ".join(f"{b:>5.1f}" for b in s["hist_bins"][:-1]))
     print("U_acc   " + " ".join(f"{c:>5d}" for c in s["u_acc_hist"]))
     print("U_rej   " + " ".join(f"{c:>5d}" for c in s["u_rej_hist"]))
+    if s["rollouts_per_s"]:
+        print(f"rollout time {s['rollout_s'] / 60:.1f} min, {s['rollouts_per_s']:.2f} rollouts/s "
+              "(candidates that recorded it)")
+    if s["candidates"]:
+        print("pivot share by rule: " + ", ".join(f"{r['mode']} {r['alpha']:g}: {r['pivot_share']:.3f}"
+                                                  for r in s["rule_sweep"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -166,13 +166,15 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
             rec = known.get(step)
             if rec is None:
                 n = cfg.rollouts
+                started = time.perf_counter()
                 gen = seeded_generator(cfg.seed, problem.id, step)
                 conts = batched_rollouts(target, seq, [d] * n + [t] * n, scfg, cfg.max_rollout_tokens, stop_ids, gen)
                 u_acc, u_rej, scores = success_rates(task, problem, target.tokenizer, generated, conts, n)
                 label = is_pivot(u_acc, u_rej, cfg.mode, cfg.alpha)
                 rec = {"type": "candidate", "problem_id": problem.id, "step": step, "prefix_ids": seq,
                        "prompt_len": len(prompt), "d": d, "t": t, "u_acc": u_acc, "u_rej": u_rej,
-                       "label": int(label), "n_rollouts": 2 * n, "rollout_tokens": sum(map(len, conts)), **base}
+                       "label": int(label), "n_rollouts": 2 * n, "rollout_tokens": sum(map(len, conts)),
+                       "rollout_s": round(time.perf_counter() - started, 3), **base}
                 if judge is not None and not label:
                     flipped = judge(problem, generated, conts[:n], scores[:n])
                     rec["judge_flipped"] = bool(flipped)
@@ -303,6 +305,7 @@ def label_stats(records: list[dict]) -> dict:
 
     pivots = sum(r["label"] for r in cands)
     counts = list(per_problem.values())
+    timed = [r for r in cands if "rollout_s" in r]  # records written before this field existed lack it
     return {
         "candidates": len(cands),
         "pivots": pivots,
@@ -316,4 +319,21 @@ def label_stats(records: list[dict]) -> dict:
         "hist_bins": bins,
         "rollouts": sum(r["n_rollouts"] for r in cands),
         "judge_flipped": sum(bool(r.get("judge_flipped")) for r in cands),
+        "rollout_s": sum(r["rollout_s"] for r in timed),
+        "rollouts_per_s": (sum(r["n_rollouts"] for r in timed) / sum(r["rollout_s"] for r in timed)
+                           if timed and sum(r["rollout_s"] for r in timed) > 0 else None),
+        "rule_sweep": rule_sweep(cands),
     }
+
+
+RULES = [("mul", a) for a in (0.3, 0.5, 0.7)] + [("add", a) for a in (0.1, 0.3, 0.5)] + \
+    [("abs", a) for a in (0.3, 0.5, 0.7)]
+
+
+def rule_sweep(cands: list[dict]) -> list[dict]:
+    """The pivot share each labeling rule would give on these candidates' stored U_acc / U_rej: choosing
+    a rule needs no new rollouts. (With ``follow=label`` the walk itself followed the run's rule, so the
+    candidates are those that rule's walk met.)"""
+    return [{"mode": mode, "alpha": alpha,
+             "pivot_share": sum(is_pivot(r["u_acc"], r["u_rej"], mode, alpha) for r in cands) / len(cands)
+             if cands else None} for mode, alpha in RULES]
