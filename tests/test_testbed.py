@@ -57,8 +57,26 @@ def test_shipped_draft_is_small_and_reduced_vocab(pair):
     assert sum(p.numel() for p in draft.model.parameters()) < 8_000_000
 
 
+def test_shipped_classifier_fits_the_target_and_drives_pad(pair, capsys):
+    from pivotspec.classifier_cli import load_for_target
+    from pivotspec.testbed.artifacts import shipped_classifier
+
+    target, draft = pair
+    path = shipped_classifier()
+    assert path is not None, "the testbed classifier must ship in src/pivotspec/testbed/data/classifier"
+    _, config = load_for_target(path, target)
+    assert 0 < config["sigma"] < 1 and config["layer"] == target.num_layers - 8
+    assert config["metrics"]["val"]["auroc"] > 0.6  # far above chance on held-out problems
+    assert config["val_recall_at_sigma"] >= config["target_recall"]
+    problem = get_task("arith").problems("test", 1, seed=0)[0]
+    assert main(["generate", "--pair", "testbed", "--method", "pad", "--chat", "--json", "--max-new-tokens", "40",
+                 "--prompt", problem.prompt]) == 0  # no --classifier: the shipped one is used
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["stats"]["new_tokens"] > 0 and rec["stats"]["drafted"] > 0
+
+
 def test_demo_runs(tmp_path, capsys):
     assert main(["demo", "--n", "2", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    assert "| ar |" in out and "| sd |" in out and "report:" in out
+    assert "| ar |" in out and "| sd |" in out and "| pad@" in out and "report:" in out
     assert (tmp_path / "demo" / "report.html").is_file()
