@@ -43,7 +43,7 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--classifier", help="pivot classifier for --method pad: a directory from train-classifier, "
-                   "or const:SCORE (a constant score, for ablations)")
+                   "or const:SCORE (a constant score, for ablations); with --pair testbed the shipped one by default")
     g.add_argument("--sigma", type=float, default=None,
                    help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
                    "0.5 for const:)")
