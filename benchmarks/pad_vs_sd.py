@@ -50,7 +50,7 @@ def method_specs(ns: argparse.Namespace, target, gammas: list[int], main_gamma: 
 
 def complete_rows(results: Path, labels: list[str]) -> list[dict]:
     """Rows of the problems every method has finished (a stopped run leaves its last problem partial)."""
-    rows = read_records(results)
+    rows = read_records(results, repair=False)  # never cut the line a running benchmark is writing
     have: dict[str, set[str]] = {}
     for r in rows:
         have.setdefault(r["problem_id"], set()).add(r["method"])
@@ -74,6 +74,30 @@ def table(summary: dict, labels: list[str]) -> str:
                      f"{fmt(s['eta'], '.3f')} | {fmt(s['tau'], '.2f')} | {fmt(s['speedup'], '.2f', 'x')} | {iqr} | "
                      f"{fmt(vs_sd, '.2f', 'x')} |")
     return "\n".join(lines)
+
+
+def step_costs(rows: list[dict], labels: list[str]) -> tuple[str, dict]:
+    """Where a decoding step's time goes, and the speedup each gamma would reach if every draft token were
+    kept (tau = gamma + 1 at the same cost per step): the ceiling no acceptance rule can pass."""
+    ar = [r["stats"] for r in rows if r["method"] == "ar"]
+    ar_ms = 1000 * sum(s["wall_s"] for s in ar) / sum(s["new_tokens"] for s in ar)
+    lines = ["| method | gamma | ms/step: draft | target verify | policy | all | tau | ms/token | "
+             "ceiling vs ar (all drafts kept) |", "|---|---|---|---|---|---|---|---|---|"]
+    costs = {}
+    for label in labels:
+        stats = [r["stats"] for r in rows if r["method"] == label]
+        steps = sum(s["target_forwards"] for s in stats)
+        if not steps:
+            continue
+        name, _, gamma = label.partition(" g=")
+        ms = {k: 1000 * sum(s[k] for s in stats) / steps for k in ("draft_s", "target_s", "policy_s", "wall_s")}
+        tau = sum(s["new_tokens"] for s in stats) / steps
+        ceiling = ar_ms / (ms["wall_s"] / (int(gamma) + 1)) if gamma else None
+        costs[label] = {**ms, "tau": tau, "ceiling_speedup": ceiling}
+        lines.append(f"| {name} | {gamma or '-'} | {ms['draft_s']:.1f} | {ms['target_s']:.1f} | {ms['policy_s']:.1f} | "
+                     f"{ms['wall_s']:.1f} | {tau:.2f} | {ms['wall_s'] / tau:.1f} | "
+                     f"{'-' if ceiling is None else format(ceiling, '.2f') + 'x'} |")
+    return "\n".join(lines), costs
 
 
 def main() -> None:
@@ -104,12 +128,15 @@ def main() -> None:
         raise SystemExit(f"pad_vs_sd: no problem in {out} has rows for every method yet")
     summary = summarize(rows)
     n = summary["ar"]["n"]
-    result = {"n_problems": n, "n_requested": args.n, "classifier": str(clf), "methods": summary,
+    cost_table, costs = step_costs(rows, [x for x in labels if x == "ar" or x.startswith(("sd ", "pad@"))])
+    result = {"n_problems": n, "n_requested": args.n, "classifier": str(clf), "methods": summary, "step_costs": costs,
               "command": "python benchmarks/pad_vs_sd.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("summarize", "results"))}
     (args.results / "pad_vs_sd.json").write_text(json.dumps(result, indent=1))
     print(f"{n} test problems (of {args.n} requested), greedy, every method interleaved per problem")
     print(table(summary, labels))
+    print()
+    print(cost_table)
 
 
 if __name__ == "__main__":

@@ -127,3 +127,21 @@ def test_resuming_refuses_a_retrained_classifier(tmp_path):
     (clf / "classifier.safetensors").write_bytes(b"weights v2")
     assert classifier_fingerprint(args, specs) != before
     assert classifier_fingerprint(args, [MethodSpec("sd", "sd")]) is None
+
+
+def test_a_second_eval_on_a_busy_out_dir_leaves_the_file_alone(tiny_dir, data, tmp_path, capsys):
+    """While one run holds results.jsonl, a second one must stop before reading it: reading repairs a
+    cut-off last line, which here is the first run's line being written."""
+    import fcntl
+
+    out = tmp_path / "run"
+    assert main(eval_args(tiny_dir, data, out)) == 0
+    results = out / "results.jsonl"
+    half = results.read_text() + '{"problem_id": "p9", "meth'  # the first run, mid-write
+    results.write_text(half)
+    with results.open("a") as busy:
+        fcntl.flock(busy.fileno(), fcntl.LOCK_EX)
+        capsys.readouterr()
+        assert main(eval_args(tiny_dir, data, out)) == 2
+        assert "another pivotspec process" in capsys.readouterr().err
+        assert results.read_text() == half

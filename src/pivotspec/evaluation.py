@@ -160,15 +160,16 @@ def parse_specs(args: argparse.Namespace, target: LM | None = None) -> list[Meth
     return specs
 
 
-def open_run(out: Path, config: dict[str, Any], overwrite: bool) -> list[dict[str, Any]]:
-    """Prepare ``out`` for appending rows; returns the rows of an earlier run of the same configuration."""
+def open_run(out: Path, config: dict[str, Any], overwrite: bool, fh: Any) -> list[dict[str, Any]]:
+    """Prepare ``out`` for appending rows to ``fh`` (its results.jsonl, already open and locked, so a
+    second run cannot cut the first's half-written line while checking it); returns the rows of an
+    earlier run of the same configuration."""
     from pivotspec.store import read_records
 
-    out.mkdir(parents=True, exist_ok=True)
     run_file, results = out / "run.json", out / "results.jsonl"
     if overwrite:
-        results.unlink(missing_ok=True)
-    elif run_file.is_file() and results.is_file():
+        fh.truncate(0)
+    elif run_file.is_file() and results.stat().st_size > 0:
         earlier = json.loads(run_file.read_text())
         if earlier != config:
             diff = sorted(k for k in set(earlier) | set(config) if earlier.get(k) != config.get(k))
@@ -232,7 +233,20 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "target": target.name if target else None,
               "draft": draft.name if draft else None, "chat": not args.no_chat}
-    earlier = open_run(args.out, config, args.overwrite) if args.out else []
+    fh = None
+    if args.out:
+        from pivotspec.store import lock_for_append
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        fh = (args.out / "results.jsonl").open("a")
+        try:
+            lock_for_append(fh, args.out / "results.jsonl")
+            earlier = open_run(args.out, config, args.overwrite, fh)
+        except BaseException:
+            fh.close()
+            raise
+    else:
+        earlier = []
     done = {(r["problem_id"], r["method"]) for r in earlier}
     start = time.perf_counter()
     todo = len(problems)
@@ -242,11 +256,6 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
         print(f"\rproblems {i}/{total} | {rate:.1f} s/problem | ETA {rate * (total - i) / 60:.1f} min   ",
               end="" if i < total else "\n", file=sys.stderr, flush=True)
 
-    fh = (args.out / "results.jsonl").open("a") if args.out else None
-    if fh:
-        from pivotspec.store import lock_for_append
-
-        lock_for_append(fh, args.out / "results.jsonl")
     emit = (lambda r: append_record(fh, r)) if fh else None
     try:
         rows = run_eval(task, problems, specs, target, draft, chat=not args.no_chat,
