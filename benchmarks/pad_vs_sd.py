@@ -1,6 +1,6 @@
 """PAD vs SD vs relaxed baselines on the testbed: accuracy, tau, eta, speedup over ar and over SD.
 
-    python benchmarks/pad_vs_sd.py --n 200 --gammas 3,5,8 --main-gamma 5 --sigmas 0.3,0.5,0.7
+    python benchmarks/pad_vs_sd.py --n 200 --gammas 3,5,8 --main-gamma 5 --sigmas 0.05,0.5,0.9
 
 One `pivotspec eval` run (greedy), every method interleaved per problem so that machine drift hits all
 alike: `ar` and `draft` once; `sd` and `pad` at the classifier's calibrated sigma for each gamma; a PAD
