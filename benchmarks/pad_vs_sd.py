@@ -21,7 +21,7 @@ from pivotspec.acceptance import Lossless
 from pivotspec.baselines import label as baseline_label
 from pivotspec.baselines import make_baseline
 from pivotspec.cli import build_parser, load_models, make_policy
-from pivotspec.evaluation import MethodSpec, evaluate, summarize
+from pivotspec.evaluation import MethodSpec, evaluate, fmt, summarize
 from pivotspec.store import read_records
 from pivotspec.tasks import get_task
 from pivotspec.testbed.artifacts import shipped_classifier
@@ -59,9 +59,6 @@ def complete_rows(results: Path, labels: list[str]) -> list[dict]:
 
 
 def table(summary: dict, labels: list[str]) -> str:
-    def fmt(x, spec: str, suffix: str = "") -> str:
-        return "-" if x is None else format(x, spec) + suffix
-
     lines = ["| method | gamma | accuracy | 95% CI | eta | tau | speedup vs ar | IQR | speedup vs sd (same gamma) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label in labels:
@@ -96,7 +93,7 @@ def step_costs(rows: list[dict], labels: list[str]) -> tuple[str, dict]:
         costs[label] = {**ms, "tau": tau, "ceiling_speedup": ceiling}
         lines.append(f"| {name} | {gamma or '-'} | {ms['draft_s']:.1f} | {ms['target_s']:.1f} | {ms['policy_s']:.1f} | "
                      f"{ms['wall_s']:.1f} | {tau:.2f} | {ms['wall_s'] / tau:.1f} | "
-                     f"{'-' if ceiling is None else format(ceiling, '.2f') + 'x'} |")
+                     f"{fmt(ceiling, '.2f', 'x')} |")
     return "\n".join(lines), costs
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -19,10 +18,10 @@ class Proposal:
     q: torch.Tensor | None  # [g, V] distributions the tokens were sampled from (None when greedy)
     to_full: Callable[[torch.Tensor], torch.Tensor]  # output-layer rows -> the target's vocabulary
 
-    @cached_property
-    def logits(self) -> torch.Tensor:
-        """[g, V] draft logits over the target's vocabulary, built only when a policy reads them: greedy
-        lossless SD never does, and for a reduced-vocabulary draft the scatter is a real per-token cost."""
+    def full_logits(self) -> torch.Tensor:
+        """[g, V] draft logits over the target's vocabulary. Called only when a policy reads them (the
+        verification caches the result): greedy lossless SD never does, and for a reduced-vocabulary draft
+        the scatter is a real per-token cost."""
         return self.to_full(self.native_logits)
 
 

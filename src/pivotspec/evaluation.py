@@ -120,10 +120,12 @@ def summarize(rows: list[dict[str, Any]], baseline: str = "ar") -> dict[str, dic
     return out
 
 
-def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    def fmt(x: Any, spec: str, suffix: str = "") -> str:
-        return "-" if x is None else format(x, spec) + suffix
+def fmt(x: Any, spec: str, suffix: str = "") -> str:
+    """A table cell: ``x`` formatted, or "-" when there is no value."""
+    return "-" if x is None else format(x, spec) + suffix
 
+
+def format_table(summary: dict[str, dict[str, Any]]) -> str:
     lines = ["| method | accuracy | 95% CI | eta | tau | target fwd/token | ms/token | speedup | speedup IQR |",
              "|---|---|---|---|---|---|---|---|---|"]
     for label, s in summary.items():

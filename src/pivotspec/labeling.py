@@ -159,7 +159,7 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
     while len(generated) < cfg.max_walk_tokens:
         seq = prompt + generated
         t = int(argmax(target.advance(seq, keep_logits=1)[0][0]))
-        d = int(argmax(draft.advance(seq, keep_logits=1)[0][0]))
+        d = draft.greedy_token(draft.advance(seq, keep_logits=1, full_vocab=False)[0][0], target.vocab_size)
         nxt = t
         if d != t:
             step = len(generated)
@@ -306,6 +306,7 @@ def label_stats(records: list[dict]) -> dict:
     pivots = sum(r["label"] for r in cands)
     counts = list(per_problem.values())
     timed = [r for r in cands if "rollout_s" in r]  # records written before this field existed lack it
+    rollout_s = sum(r["rollout_s"] for r in timed)
     return {
         "candidates": len(cands),
         "pivots": pivots,
@@ -319,9 +320,8 @@ def label_stats(records: list[dict]) -> dict:
         "hist_bins": bins,
         "rollouts": sum(r["n_rollouts"] for r in cands),
         "judge_flipped": sum(bool(r.get("judge_flipped")) for r in cands),
-        "rollout_s": sum(r["rollout_s"] for r in timed),
-        "rollouts_per_s": (sum(r["n_rollouts"] for r in timed) / sum(r["rollout_s"] for r in timed)
-                           if timed and sum(r["rollout_s"] for r in timed) > 0 else None),
+        "rollout_s": rollout_s,
+        "rollouts_per_s": sum(r["n_rollouts"] for r in timed) / rollout_s if rollout_s > 0 else None,
         "rule_sweep": rule_sweep(cands),
     }
 
