@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -162,16 +163,13 @@ def parse_specs(args: argparse.Namespace, target: LM | None = None) -> list[Meth
     return specs
 
 
-def open_run(out: Path, config: dict[str, Any], overwrite: bool, fh: Any) -> list[dict[str, Any]]:
-    """Prepare ``out`` for appending rows to ``fh`` (its results.jsonl, already open and locked, so a
-    second run cannot cut the first's half-written line while checking it); returns the rows of an
-    earlier run of the same configuration."""
+def open_run(out: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Check ``out`` (whose results.jsonl the caller holds open and locked) against ``config`` and record
+    it; returns the rows of an earlier run of the same configuration."""
     from pivotspec.store import read_records
 
     run_file, results = out / "run.json", out / "results.jsonl"
-    if overwrite:
-        fh.truncate(0)
-    elif run_file.is_file() and results.stat().st_size > 0:
+    if run_file.is_file() and results.stat().st_size > 0:  # --overwrite has already emptied results.jsonl
         earlier = json.loads(run_file.read_text())
         if earlier != config:
             diff = sorted(k for k in set(earlier) | set(config) if earlier.get(k) != config.get(k))
@@ -227,7 +225,7 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
              target: LM | None, draft: LM | None) -> dict[str, dict[str, Any]]:
     """Run (or resume) the evaluation; with --out also write results, summaries, plot and report."""
     from pivotspec.sampling import SamplingConfig
-    from pivotspec.store import append_record
+    from pivotspec.store import append_record, open_for_append
 
     config = {"task": args.task, "data": str(args.data) if args.data else None, "split": args.split, "n": args.n,
               "seed": args.seed, "methods": [s.label for s in specs], "gamma": args.gamma,
@@ -235,38 +233,21 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
               "max_new_tokens": args.max_new_tokens, "target": target.name if target else None,
               "draft": draft.name if draft else None, "chat": not args.no_chat}
-    fh = None
-    if args.out:
-        from pivotspec.store import lock_for_append
-
-        args.out.mkdir(parents=True, exist_ok=True)
-        fh = (args.out / "results.jsonl").open("a")
-        try:
-            lock_for_append(fh, args.out / "results.jsonl")
-            earlier = open_run(args.out, config, args.overwrite, fh)
-        except BaseException:
-            fh.close()
-            raise
-    else:
-        earlier = []
-    done = {(r["problem_id"], r["method"]) for r in earlier}
     start = time.perf_counter()
-    todo = len(problems)
 
     def progress(i: int, total: int) -> None:
         rate = (time.perf_counter() - start) / i
         print(f"\rproblems {i}/{total} | {rate:.1f} s/problem | ETA {rate * (total - i) / 60:.1f} min   ",
               end="" if i < total else "\n", file=sys.stderr, flush=True)
 
-    emit = (lambda r: append_record(fh, r)) if fh else None
-    try:
-        rows = run_eval(task, problems, specs, target, draft, chat=not args.no_chat,
-                        progress=progress if todo else None, done=done, emit=emit,
+    with ExitStack() as stack:  # results.jsonl stays locked until every row is written
+        fh = stack.enter_context(open_for_append(args.out / "results.jsonl", args.overwrite)) if args.out else None
+        earlier = open_run(args.out, config) if args.out else []
+        rows = run_eval(task, problems, specs, target, draft, chat=not args.no_chat, progress=progress,
+                        done={(r["problem_id"], r["method"]) for r in earlier},
+                        emit=(lambda r: append_record(fh, r)) if fh else None,
                         cfg=SamplingConfig(args.temperature, args.top_k, args.top_p), gamma=args.gamma,
                         max_new_tokens=args.max_new_tokens, seed=args.seed)
-    finally:
-        if fh:
-            fh.close()
     wanted = {p.id for p in problems}
     rows = [r for r in earlier if r["problem_id"] in wanted] + rows
     summary = summarize(rows)

@@ -237,14 +237,10 @@ def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg
                  judge: LM | None = None, split: str = "train", progress: bool = True) -> list[dict]:
     """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds. The file is
     locked for the run, so a second labeler on the same file stops with a one-line error."""
-    from pivotspec.store import lock_for_append
+    from pivotspec.store import open_for_append
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as lock:  # held for the whole run; checked before reading what is there
-        lock_for_append(lock, out)
-        if overwrite:
-            lock.truncate(0)
-        return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, lock)
+    with open_for_append(out, overwrite) as fh:
+        return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, fh)
 
 
 def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -58,6 +60,19 @@ def lock_for_append(fh: TextIO, path: Path) -> None:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"another pivotspec process is writing {path}: wait for it or stop it first") from None
+
+
+@contextmanager
+def open_for_append(path: Path, overwrite: bool = False) -> Iterator[TextIO]:
+    """``path`` open for appending and locked while the block runs; ``overwrite`` empties it first. The lock
+    comes before anything reads the file, so a second run cannot cut the first's half-written last line
+    while checking what is there."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        lock_for_append(fh, path)
+        if overwrite:
+            fh.truncate(0)
+        yield fh
 
 
 def append_record(fh: TextIO, record: dict[str, Any]) -> None:
