@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pivotspec.decoding import decode
-from pivotspec.sampling import SamplingConfig, logits_to_probs, residual
+from pivotspec.sampling import SamplingConfig, logits_to_probs, residual, sample
 from tests.conftest import make_tiny_model, make_tokenizer
 
 VOCAB = 8
@@ -92,3 +92,16 @@ def test_residual_and_top_p():
     torch.testing.assert_close(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
     top1 = logits_to_probs(torch.tensor([[1.0, 3.0, 2.0]]), SamplingConfig(1.0, top_k=1))
     torch.testing.assert_close(top1[0], torch.tensor([0.0, 1.0, 0.0]))
+
+
+def test_sample_matches_its_distribution_and_never_draws_zero_mass():
+    g = torch.Generator().manual_seed(3)
+    # Unnormalized rows with zero-mass tokens at both ends and inside (as top-k / top-p leave them).
+    probs = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    draws = sample(probs.repeat(4000, 1), g).view(4000, 2)
+    assert draws.shape == (4000, 2) and (draws[:, 1] == 0).all()
+    counts = torch.bincount(draws[:, 0], minlength=6).float()
+    assert counts[[0, 2, 5]].sum() == 0
+    assert chi_square_pvalue(counts, probs[0] / probs[0].sum()) > 0.001
+    assert chi_square_pvalue(torch.tensor([4000.0, 0, 0, 0, 0, 0]), probs[0] / probs[0].sum()) < 0.001
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), g).shape == ()  # one row in, one id out

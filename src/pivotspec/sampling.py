@@ -58,8 +58,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of ``probs``."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token id per row of ``probs`` (non-negative, not necessarily normalized), by inverting the CDF.
+
+    Why not ``torch.multinomial``: on this CPU it takes ~40 ms for 20 rows of a 49k vocabulary (it draws an
+    exponential per entry) against ~1 ms here, and labeling samples 20 rows per step. Each token keeps an
+    interval of width fl(c[i-1] + p[i]) - c[i-1], within float32 rounding of p[i], so a zero-probability
+    token (top-k, top-p) has an empty interval and is never drawn.
+    """
+    flat = probs.reshape(-1, probs.shape[-1]).float()
+    cdf = torch.cumsum(flat, dim=-1)
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
+    idx = torch.searchsorted(cdf, u, right=True)  # first i with cdf[i] > u, so p[i] > 0
+    # u rounds up to the total about once in 2**24 draws; then take the last token with mass.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(idx, last).reshape(probs.shape[:-1])
 
 
 def pick(probs: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
