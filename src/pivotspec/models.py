@@ -3,8 +3,8 @@
 ``load_lm(spec)`` accepts a registered name (``smollm2-135m-instruct``, ``testbed-target``,
 ``testbed-draft``), a local Hugging Face directory, a ``.gguf`` file, or a Hugging Face model id that is
 already in the local HF cache (nothing is ever downloaded). The returned :class:`LM` owns one
-``DynamicCache`` and the token ids it holds, so the decoding loop can feed only the tokens the cache lacks
-and roll back rejected draft tokens instead of recomputing anything.
+``DynamicCache`` (appending in place, see ``kvcache``) and the token ids it holds, so the decoding loop can
+feed only the tokens the cache lacks and roll back rejected draft tokens instead of recomputing anything.
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ class LM:
         return int(self.model.config.hidden_size)
 
     def reset(self) -> None:
-        from transformers import DynamicCache
+        from pivotspec.kvcache import growing_cache
 
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = growing_cache(self.model.config)
         self.cached_ids = []
 
     def rollback(self, n: int) -> None:
