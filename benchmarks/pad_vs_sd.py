@@ -1,51 +1,67 @@
-"""PAD vs SD vs relaxed baselines on the testbed: accuracy, tau, eta, speedup over ar and over SD.
+"""PAD against SD and every training-free relaxed rule on the testbed: frontiers of accuracy vs speed.
 
-    python benchmarks/pad_vs_sd.py --n 200 --gammas 3,5,8 --main-gamma 5 --sigmas 0.05,0.5,0.9
+    python benchmarks/pad_vs_sd.py --n 200
 
-One `pivotspec eval` run (greedy), every method interleaved per problem so that machine drift hits all
-alike: `ar` and `draft` once; `sd` and `pad` at the classifier's calibrated sigma for each gamma; a PAD
-sigma sweep and every training-free baseline at two knob values at the main gamma. Rows are appended to
-benchmarks/results/pad_vs_sd/results.jsonl as they come: rerun the same command to resume after a stop.
-`--summarize` decodes nothing and summarises the problems that every method has finished (the table of a
-run stopped early). Writes benchmarks/results/pad_vs_sd.json and prints the table. Needs the shipped
-testbed classifier.
+One `pivotspec eval` run (greedy, one untimed warm-up problem, method order rotated per problem), every
+method interleaved per problem so that machine drift hits all alike: `ar`, `draft` and `sd` once; PAD at
+the shipped classifier's calibrated sigma and a sigma sweep; each baseline at several values of its main
+knob. Prints and stores (benchmarks/results/pad_vs_sd.json, benchmarks/results/pad_vs_sd/):
+- the table (accuracy, paired McNemar vs `ar` and vs `sd`, eta, tau, speedups);
+- per rule: its best accuracy at an acceptance rate (eta) at least PAD's at the calibrated sigma, and the
+  best speedup it reaches within 1 point of `ar`'s accuracy;
+- frontier.png: accuracy against speedup and against eta, one curve per rule;
+- the step-cost table (where a step's time goes, and the speedup ceiling if every draft were kept).
+Rows are appended to benchmarks/results/pad_vs_sd/results.jsonl as they come: rerun the same command to
+resume. `--summarize` decodes nothing and summarises the problems every method has finished. While the
+file named by --pause-file exists, the run waits between problems (untimed), so that a short job can
+have the CPU without distorting any timed decode.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from pathlib import Path
 
 from pivotspec.acceptance import Lossless
 from pivotspec.baselines import label as baseline_label
 from pivotspec.baselines import make_baseline
 from pivotspec.cli import build_parser, load_models, make_policy
-from pivotspec.evaluation import MethodSpec, evaluate, fmt, summarize
+from pivotspec.evaluation import MethodSpec, evaluate, fmt, paired_cell, summarize
 from pivotspec.store import read_records
 from pivotspec.tasks import get_task
 from pivotspec.testbed.artifacts import shipped_classifier
 
-BASELINES = ["typical:epsilon=0.09,delta=0.3", "typical:epsilon=0.3,delta=0.6", "topk:k=3,ratio=0.3",
-             "topk:k=5,ratio=0.1", "threshold:threshold=0.3", "threshold:threshold=0.1", "ensemble:w=0.7",
-             "ensemble:w=0.5", "divergence:threshold=0.3,divergence=js", "divergence:threshold=0.6,divergence=js"]
+# The main knob of each rule, from nearly SD (strict) to loose. typical keeps Medusa's delta = sqrt(epsilon).
+SWEEPS = {
+    "typical": ["typical:epsilon=0.3,delta=0.5477", "typical:epsilon=0.01,delta=0.1"],
+    "topk": ["topk:k=5,ratio=0.5", "topk:k=5,ratio=0.05"],
+    "threshold": ["threshold:threshold=0.3", "threshold:threshold=0.1", "threshold:threshold=0.01"],
+    "ensemble": ["ensemble:w=0.5"],
+    "divergence": ["divergence:threshold=0.1,divergence=js"],
+}
+RULE_OF = {"pad": "pad", **{name: name for name in SWEEPS}}
 
 
 def method_specs(ns: argparse.Namespace, target, gammas: list[int], main_gamma: int,
-                 sigmas: list[float]) -> list[MethodSpec]:
+                 sigmas: list[float]) -> tuple[list[MethodSpec], str]:
     calibrated = make_policy(ns, "pad", target)
+    main_pad = f"pad@{calibrated.sigma:.4g} g={main_gamma}"
     specs = [MethodSpec("ar", "ar"), MethodSpec("draft", "draft")]
     for g in gammas:
         specs += [MethodSpec(f"sd g={g}", "sd", Lossless(), g),
-                  MethodSpec(f"pad@{calibrated.sigma:.3g} g={g}", "pad", calibrated, g)]
+                  MethodSpec(f"pad@{calibrated.sigma:.4g} g={g}", "pad", calibrated, g)]
     for sigma in sigmas:
         if abs(sigma - calibrated.sigma) > 1e-9:
             specs.append(MethodSpec(f"pad@{sigma:g} g={main_gamma}", "pad", make_policy(ns, "pad", target, sigma),
                                     main_gamma))
-    for spec in BASELINES:
-        policy = make_baseline(spec)
-        specs.append(MethodSpec(f"{baseline_label(policy)} g={main_gamma}", "pad", policy, main_gamma))
-    return specs
+    for rule_specs in SWEEPS.values():
+        for spec in rule_specs:
+            policy = make_baseline(spec)
+            specs.append(MethodSpec(f"{baseline_label(policy)} g={main_gamma}", "pad", policy, main_gamma))
+    return specs, main_pad
 
 
 def complete_rows(results: Path, labels: list[str]) -> list[dict]:
@@ -58,19 +74,78 @@ def complete_rows(results: Path, labels: list[str]) -> list[dict]:
     return [r for r in rows if r["problem_id"] in done and r["method"] in labels]
 
 
+def rule(label: str) -> str:
+    name = label.partition(" g=")[0]
+    return RULE_OF.get(name.split("(")[0].split("@")[0], name)
+
+
 def table(summary: dict, labels: list[str]) -> str:
-    lines = ["| method | gamma | accuracy | 95% CI | eta | tau | speedup vs ar | IQR | speedup vs sd (same gamma) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | gamma | accuracy | 95% CI | vs ar (McNemar) | vs sd (McNemar) | eta | tau | speedup vs ar | "
+             "IQR | speedup vs sd |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label in labels:
         s = summary[label]
         name, _, gamma = label.partition(" g=")
         sd = summary.get(f"sd g={gamma}", {}).get("speedup") if gamma else None
         vs_sd = s["speedup"] / sd if s["speedup"] and sd else None
         iqr = "-" if not s["speedup_iqr"] else f"{s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}"
+        paired = s["paired"]
         lines.append(f"| {name} | {gamma or '-'} | {s['accuracy']:.3f} | [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}] | "
+                     f"{paired_cell(paired.get('ar'))} | {paired_cell(paired.get(f'sd g={gamma}'))} | "
                      f"{fmt(s['eta'], '.3f')} | {fmt(s['tau'], '.2f')} | {fmt(s['speedup'], '.2f', 'x')} | {iqr} | "
                      f"{fmt(vs_sd, '.2f', 'x')} |")
     return "\n".join(lines)
+
+
+def frontier(summary: dict, labels: list[str], main_pad: str, main_gamma: int) -> tuple[str, dict]:
+    """Per rule at the main gamma: best accuracy at eta >= PAD's (calibrated sigma), best speedup within
+    1 point of ar's accuracy."""
+    ar_acc, pad_eta = summary["ar"]["accuracy"], summary[main_pad]["eta"]
+    lines = [f"| rule | points | best accuracy at eta >= {pad_eta:.3f} (PAD's) | its eta | best speedup within 1 point "
+             f"of ar ({ar_acc:.3f}) | its accuracy |", "|---|---|---|---|---|---|"]
+    out = {}
+    for r in dict.fromkeys(rule(x) for x in labels if x.endswith(f" g={main_gamma}") and not x.startswith("sd ")):
+        mine = [x for x in labels if rule(x) == r and x.endswith(f" g={main_gamma}")]
+        wide = [x for x in mine if summary[x]["eta"] is not None and summary[x]["eta"] >= pad_eta - 1e-12]
+        best_acc = max(wide, key=lambda x: summary[x]["accuracy"], default=None)
+        close = [x for x in mine if summary[x]["accuracy"] >= ar_acc - 0.01 - 1e-12]
+        best_speed = max(close, key=lambda x: summary[x]["speedup"] or 0, default=None)
+        out[r] = {"points": len(mine), "best_accuracy_at_pad_eta": best_acc and summary[best_acc]["accuracy"],
+                  "best_accuracy_method": best_acc, "best_speedup_method": best_speed,
+                  "best_speedup_within_1pt": best_speed and summary[best_speed]["speedup"]}
+        acc = ("none reaches it" if best_acc is None
+               else f"{summary[best_acc]['accuracy']:.3f} ({best_acc.partition(' g=')[0]})")
+        eta = "-" if best_acc is None else f"{summary[best_acc]['eta']:.3f}"
+        speed = ("none" if best_speed is None
+                 else f"{summary[best_speed]['speedup']:.2f}x ({best_speed.partition(' g=')[0]})")
+        sacc = "-" if best_speed is None else f"{summary[best_speed]['accuracy']:.3f}"
+        lines.append(f"| {r} | {len(mine)} | {acc} | {eta} | {speed} | {sacc} |")
+    return "\n".join(lines), out
+
+
+def frontier_plot(summary: dict, labels: list[str], main_gamma: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for r in dict.fromkeys(rule(x) for x in labels if x.endswith(f" g={main_gamma}")):
+        pts = sorted((summary[x]["eta"], summary[x]["speedup"], summary[x]["accuracy"]) for x in labels
+                     if rule(x) == r and x.endswith(f" g={main_gamma}"))
+        style = dict(marker="o", lw=2.5 if r == "pad" else 1.2, label=r)
+        axes[0].plot([p[1] for p in pts], [p[2] for p in pts], **style)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], **style)
+    for ax in axes:
+        ax.axhline(summary["ar"]["accuracy"], color="k", ls="--", lw=1, label="ar accuracy")
+        ax.axhline(summary["ar"]["accuracy"] - 0.01, color="grey", ls=":", lw=1, label="ar - 1 point")
+        ax.grid(alpha=0.3)
+    axes[0].set_xlabel(f"speedup over ar (gamma {main_gamma})")
+    axes[1].set_xlabel("eta (draft tokens kept / drafted)")
+    axes[0].set_ylabel("accuracy")
+    axes[1].legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def step_costs(rows: list[dict], labels: list[str]) -> tuple[str, dict]:
@@ -99,12 +174,14 @@ def step_costs(rows: list[dict], labels: list[str]) -> tuple[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=200, help="test problems")
-    ap.add_argument("--gammas", default="3,5,8", help="gammas for sd and pad at the calibrated sigma")
-    ap.add_argument("--main-gamma", type=int, default=5, help="gamma of the sigma sweep and the baselines")
-    ap.add_argument("--sigmas", default="0.3,0.5,0.7", help="PAD sigma sweep at the main gamma")
+    ap.add_argument("--n", type=int, default=200, help="test problems (default 200)")
+    ap.add_argument("--gammas", default="5", help="gammas for sd and pad at the calibrated sigma (default 5)")
+    ap.add_argument("--main-gamma", type=int, default=5, help="gamma of the sweeps (default 5)")
+    ap.add_argument("--sigmas", default="0.9,0.995", help="PAD sigmas besides the calibrated one")
     ap.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pause-file", type=Path, default=Path("/tmp/pivotspec-bench.pause"),
+                    help="while this file exists the run waits between problems (untimed)")
     ap.add_argument("--summarize", action="store_true", help="only summarise the rows already written")
     args = ap.parse_args()
     clf = shipped_classifier()
@@ -114,24 +191,35 @@ def main() -> None:
     ns = build_parser().parse_args(["eval", "--pair", "testbed", "--methods", "pad", "--classifier", str(clf),
                                     "--n", str(args.n), "--out", str(out), "--threads", str(args.threads)])
     target, draft = load_models(ns, needs_draft=True)
-    specs = method_specs(ns, target, [int(g) for g in args.gammas.split(",")], args.main_gamma,
-                         [float(s) for s in args.sigmas.split(",")])
+    gammas = [int(g) for g in args.gammas.split(",")]
+    specs, main_pad = method_specs(ns, target, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")])
     labels = [s.label for s in specs]
     task = get_task("arith")
+
+    def wait_while_paused(done: int, total: int) -> None:
+        while args.pause_file.exists():
+            time.sleep(2)
+
     if not args.summarize:
-        evaluate(ns, task, task.problems("test", args.n, 0), specs, target, draft)
+        evaluate(ns, task, task.problems("test", args.n, 0), specs, target, draft, between=wait_while_paused)
     rows = complete_rows(out / "results.jsonl", labels)
     if not rows:
         raise SystemExit(f"pad_vs_sd: no problem in {out} has rows for every method yet")
-    summary = summarize(rows)
+    summary = summarize(rows, references=("ar", *(f"sd g={g}" for g in gammas)))
     n = summary["ar"]["n"]
+    front_table, front = frontier(summary, labels, main_pad, args.main_gamma)
+    frontier_plot(summary, labels, args.main_gamma, out / "frontier.png")
     cost_table, costs = step_costs(rows, [x for x in labels if x == "ar" or x.startswith(("sd ", "pad@"))])
-    result = {"n_problems": n, "n_requested": args.n, "classifier": str(clf), "methods": summary, "step_costs": costs,
+    result = {"n_problems": n, "n_requested": args.n, "classifier": str(clf), "calibrated_pad": main_pad,
+              "methods": summary, "frontier": front, "step_costs": costs, "cpu": os.cpu_count(),
               "command": "python benchmarks/pad_vs_sd.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("summarize", "results"))}
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  if k not in ("summarize", "results", "pause_file"))}
     (args.results / "pad_vs_sd.json").write_text(json.dumps(result, indent=1))
     print(f"{n} test problems (of {args.n} requested), greedy, every method interleaved per problem")
     print(table(summary, labels))
+    print()
+    print(front_table)
     print()
     print(cost_table)
 

@@ -12,7 +12,8 @@ import torch
 from pivotspec import classifier as clf
 from pivotspec import features, metrics
 from pivotspec.acceptance import PAD
-from pivotspec.classifier_cli import load_for_target, train_from_labels
+from pivotspec.classifier import load_for_target
+from pivotspec.classifier_training import train_from_labels
 from pivotspec.cli import main
 from pivotspec.decoding import decode
 from pivotspec.errors import UsageError
@@ -32,9 +33,9 @@ def test_learns_separable_features(kind):
     h_all, s_all, y_all = synthetic(900, 32, 0)  # one draw: train on 600 rows, validate on the other 300
     h, s, y = h_all[:600], s_all[:600], y_all[:600]
     hv, sv, yv = h_all[600:], s_all[600:], y_all[600:]
-    net = clf.PivotNet(kind, 32)
     k = clf.n_scalars(kind)
-    clf.train(net, (h, s[:, :k] if k else None), y, (hv, sv[:, :k] if k else None), yv, epochs=300, seed=0)
+    net, _ = clf.train(kind, 32, (h, s[:, :k] if k else None), y, (hv, sv[:, :k] if k else None), yv, epochs=300,
+                       seed=0)
     scores = clf.pivot_scores(net, hv, sv[:, :k] if k else None)
     assert metrics.auroc(scores, yv) > 0.95
 
@@ -58,7 +59,7 @@ def test_calibrated_sigma_meets_recall():
             assert metrics.at_threshold(scores, labels, sigma + 2e-4)["recall"] < r or sigma + 2e-4 > 1
 
 
-def fake_labels(path, n_problems=6, seed=0):
+def fake_labels(path, n_problems=15, seed=0):
     """Labels whose pivot rule is known: d is a pivot when its token id is even."""
     rng = random.Random(seed)
     lines = []
@@ -87,6 +88,8 @@ def test_save_load_round_trip_and_plots(trained):
     net, loaded = clf.load(out)
     assert loaded == json.loads((out / "classifier.json").read_text())
     assert loaded["layer"] == 2 and loaded["target"]["name"] == target.name and 0 <= loaded["sigma"] <= 1
+    assert loaded["feature_row"] == "draft_token" and set(loaded["references"]) == {"logreg_p", "logreg_entropy_p"}
+    assert sum(loaded["labels"]["rows"].values()) == 120 and loaded["labels"]["problems"]["report"] == 3
     net2, _ = clf.load(out)
     h, s = torch.randn(5, target.d_model), torch.rand(5, 2)
     torch.testing.assert_close(clf.pivot_scores(net, h, s), clf.pivot_scores(net2, h, s), atol=0, rtol=0)
@@ -117,31 +120,74 @@ def test_pad_with_trained_classifier_and_eval_classifier_cli(trained, tiny_dir, 
     assert main(["eval-classifier", "--classifier", str(out), "--labels", str(labels), "--target", t,
                  "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["n"] == 48 and 0 <= rep["auroc"] <= 1 and len(rep["thresholds"]) == 9
+    assert rep["n"] == 120 and 0 <= rep["auroc"] <= 1 and len(rep["thresholds"]) == 9
+    assert set(rep["references"]) == {"logreg_p", "logreg_entropy_p"}
+    # plots land next to the labels file, never inside the classifier directory
+    assert sorted(p.name for p in out.iterdir()) == ["classifier.json", "classifier.safetensors", "pr.png", "roc.png"]
+    assert (labels.parent / "labels.eval-clf" / "roc.png").is_file()
 
 
-def test_decode_time_features_equal_offline_features(tiny_dir, load, tmp_path):
-    """The hidden state and p(d) the classifier gets from the verification forward equal what feature
-    extraction computes offline over the same prefix (the first step's prefixes: prompt + drafts[:i]).
-    The target uses HF's standard init (0.02): with activations of order 1, float32 rounding between the
-    chunked (cached) and the one-pass forward stays far below 1e-5."""
+@pytest.mark.parametrize("kind", ["extended_v2", "extended"])
+def test_decode_time_features_equal_training_features(tiny_dir, load, tmp_path, monkeypatch, kind):
+    """Every draft token a PAD decode scores gets, from the training path (features.extract over prefix + d,
+    from scratch), the very inputs the policy fed the classifier: the hidden state at d's own row, and the
+    target's (and for 'extended' the draft's) entropy and p(d) from the row that predicts d. The target uses
+    HF's standard init (0.02): with activations of order 1, float32 rounding between the chunked (cached) and
+    the one-pass forward stays far below 1e-5."""
     from tests.conftest import make_tiny_model
 
     target = load(make_tiny_model(tmp_path / "t", seed=5, layers=3, init=0.02))
     draft = load(tiny_dir["llama_draft"])
+    torch.manual_seed(0)
+    net = clf.PivotNet(kind, target.d_model)  # random weights: some tokens get overridden, some do not
+    seen = []
+    real_model_inputs = clf.model_inputs
+
+    def recording(*args, **kwargs):
+        h, s = real_model_inputs(*args, **kwargs)
+        g = args[3].shape[0]
+        prefix = target.cached_ids[: len(target.cached_ids) - g]  # the verification forward fed [.., d_1..d_g]
+        for i, d in enumerate(args[3].tolist()):
+            seen.append((prefix + args[3][:i].tolist(), d, h[i].clone(), s[i].clone()))
+        return h, s
+
+    monkeypatch.setattr(clf, "model_inputs", recording)
+    policy = PAD(clf.as_policy_classifier(net), sigma=0.5, tau=0.0, hidden_layer=-2)
     for prompt in ([3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24, 25, 26]):
-        seen = []
+        decode("pad", target, draft, prompt, policy, gamma=4, max_new_tokens=12, eos_ids=set())
+    monkeypatch.setattr(clf, "model_inputs", real_model_inputs)
+    assert len(seen) > 12
+    records = [{"type": "candidate", "problem_id": f"x{i}", "step": 0, "prefix_ids": prefix, "d": d, "u_acc": 0.0,
+                "u_rej": 1.0, "label": i % 2} for i, (prefix, d, _, _) in enumerate(seen)]
+    feats = features.extract(target, records, layer=-2, draft=draft if kind == "extended" else None)
+    torch.testing.assert_close(feats["hidden"], torch.stack([h for *_, h, _ in seen]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(feats["scalars"], torch.stack([s for *_, s in seen]), atol=1e-5, rtol=1e-5)
 
-        def recording(hidden, target_probs, draft_tokens, draft_probs, seen=seen):
-            seen.append((hidden.clone(), target_probs.clone(), draft_tokens.tolist()))
-            return torch.ones(len(draft_tokens))  # never override
 
-        decode("pad", target, draft, prompt, PAD(recording, sigma=0.5, hidden_layer=2), gamma=4, max_new_tokens=6,
-               eos_ids=set())
-        hidden, probs, drafts = seen[0]
-        records = [{"type": "candidate", "problem_id": "x", "step": i, "prefix_ids": prompt + drafts[:i], "d": d,
-                    "u_rej": 1.0, "label": i % 2} for i, d in enumerate(drafts)]
-        feats = features.extract(target, records, layer=2)
-        torch.testing.assert_close(feats["hidden"], hidden, atol=1e-5, rtol=0)
-        p_d = probs.gather(-1, torch.tensor(drafts)[:, None]).squeeze(-1)
-        torch.testing.assert_close(feats["scalars"][:, 1], p_d, atol=1e-5, rtol=0)
+def test_negative_layer_is_hf_hidden_states_indexing(tiny_dir, load):
+    lm = load(tiny_dir["llama_target"])  # 3 blocks: hidden_states has 4 entries, [-2] is after block 2
+    assert lm.resolve_layer(-2) == 2 and lm.resolve_layer(-3) == 1 and lm.resolve_layer(3) == 3
+    ids = [3, 4, 5, 6]
+    lm.reset()
+    _, hidden = lm.forward(ids, keep_logits=2, hidden_layer=-2)
+    out = lm.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    torch.testing.assert_close(hidden, out.hidden_states[-2][0, -2:], atol=1e-5, rtol=0)
+    for bad in (0, 4, -4):
+        with pytest.raises(UsageError, match="outside 1..3"):
+            lm.resolve_layer(bad)
+
+
+def test_model_inputs_read_d_at_its_own_row_and_p_at_the_predicting_row():
+    """Rows of a verification forward over [last, d_1, d_2]: d_i's hidden state is row i, its p and entropy
+    come from row i - 1."""
+    hidden = torch.arange(3.0)[:, None].expand(3, 4)  # row r is filled with r
+    probs = torch.tensor([[0.7, 0.1, 0.2], [0.2, 0.2, 0.6], [0.5, 0.5, 0.0]])
+    h, s = clf.model_inputs("extended_v2", hidden, probs, torch.tensor([1, 2]))
+    assert h[:, 0].tolist() == [1.0, 2.0]
+    torch.testing.assert_close(s[:, 1], torch.tensor([0.1, 0.6]))
+    calls = []
+    clf.model_inputs("extended_v2", hidden, probs, torch.tensor([1, 2]), lambda: calls.append(1))
+    assert not calls  # draft distributions are built only for types that read them
+    q = torch.tensor([[0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
+    _, s4 = clf.model_inputs("extended", hidden, probs, torch.tensor([1, 2]), lambda: q)
+    torch.testing.assert_close(s4[:, 3], torch.tensor([0.8, 0.4]))

@@ -126,7 +126,9 @@ def test_cache_rollback_matches_fresh_forward(tiny_dir, load, arch):
     after, _ = lm.forward(b, keep_logits=len(b))
     lm.reset()
     fresh, _ = lm.forward(a + b, keep_logits=len(b))
-    torch.testing.assert_close(after, fresh, atol=1e-5, rtol=0)
+    # Chunked and one-pass float32 forwards round differently (1.4e-5 seen on logits of size ~1 with AVX2 and
+    # AVX-512 kernels); a stale or misaligned cache after rollback moves logits by orders of magnitude more.
+    torch.testing.assert_close(after, fresh, atol=1e-4, rtol=1e-4)
 
 
 def test_hidden_state_is_the_chosen_layer(tiny_dir, load):

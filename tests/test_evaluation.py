@@ -121,9 +121,13 @@ def test_resuming_refuses_a_retrained_classifier(tmp_path):
     clf = tmp_path / "clf"
     clf.mkdir()
     (clf / "classifier.safetensors").write_bytes(b"weights v1")
+    (clf / "classifier.json").write_text("{}")
     args = argparse.Namespace(classifier=str(clf))
     specs = [MethodSpec("pad@0.5", "pad", PAD(constant_classifier(0.0), 0.5))]
     before = classifier_fingerprint(args, specs)
+    (clf / "eval-plots").mkdir()  # a subdirectory (and plots) beside the classifier change nothing
+    (clf / "eval-plots" / "roc.png").write_bytes(b"png")
+    assert classifier_fingerprint(args, specs) == before
     (clf / "classifier.safetensors").write_bytes(b"weights v2")
     assert classifier_fingerprint(args, specs) != before
     assert classifier_fingerprint(args, [MethodSpec("sd", "sd")]) is None

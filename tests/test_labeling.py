@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from pivotspec import store
 from pivotspec.cli import main
@@ -190,7 +191,7 @@ def test_judge_only_flips_non_pivots_to_pivots(pair, tmp_path, monkeypatch):
     both = FirstTokenTask([prompt], {t, d})  # the first candidate is a non-pivot by rollouts
     asked = []
 
-    def always_flip(judge, task):
+    def always_flip(judge, task, target_tokenizer):
         return lambda problem, generated, conts, scores: asked.append(len(conts)) or True
 
     monkeypatch.setattr(labeling, "make_judge", always_flip)
@@ -215,6 +216,40 @@ def test_real_judge_runs_on_a_local_model(pair, tmp_path):
     rec = first_candidate(recs)
     assert isinstance(rec["judge_flipped"], bool) and rec["label"] == int(rec["judge_flipped"])
     assert recs[0]["judge"] == draft.name
+
+
+def test_judge_reads_rollouts_with_the_targets_tokenizer(pair, monkeypatch):
+    """Rollouts are target token ids: a judge with another tokenizer must see the target's text."""
+    from types import SimpleNamespace
+
+    from pivotspec import labeling, tasks
+
+    target, _ = pair
+    asked = []
+    monkeypatch.setattr(tasks, "encode_prompt", lambda tok, text, chat=True: asked.append(text) or [3, 4])
+    def judge_tokenizer(text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[5])
+
+    judge_tokenizer.decode = lambda ids, **kw: "JUDGE-TOKENIZER"  # what decoding with the wrong tokenizer gives
+    judge = SimpleNamespace(tokenizer=judge_tokenizer, reset=lambda: None,
+                            forward=lambda ids, keep_logits=1: (torch.zeros(1, 32), None))
+    flip = labeling.make_judge(judge, None, target.tokenizer)
+    problem = Problem(id="p", prompt="q", answer=None)
+    flip(problem, [5, 6], [[7, 8]], [1.0])
+    assert target.tokenizer.decode([5, 6, 7, 8]) in asked[0] and "JUDGE-TOKENIZER" not in asked[0]
+
+
+def test_resume_refuses_a_candidate_from_another_trajectory(pair, tmp_path):
+    task = toy(pair, n=1)
+    out = tmp_path / "l.jsonl"
+    run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    cand = next(r for r in recs if r["type"] == "candidate")
+    cand["prefix_ids"] = cand["prefix_ids"][:-1] + [cand["prefix_ids"][-1] + 1]  # another trajectory
+    # drop the problem's summary so the rerun walks it again and meets the stored candidate
+    out.write_text("".join(json.dumps(r) + "\n" for r in recs if r["type"] != "problem"))
+    with pytest.raises(UsageError, match="another trajectory"):
+        run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
 
 
 def test_second_writer_is_refused(pair, tmp_path):

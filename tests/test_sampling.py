@@ -105,3 +105,83 @@ def test_sample_matches_its_distribution_and_never_draws_zero_mass():
     assert chi_square_pvalue(counts, probs[0] / probs[0].sum()) > 0.001
     assert chi_square_pvalue(torch.tensor([4000.0, 0, 0, 0, 0, 0]), probs[0] / probs[0].sum()) < 0.001
     assert sample(torch.tensor([0.0, 0.0, 1.0]), g).shape == ()  # one row in, one id out
+
+
+def exact_marginal_at(target, prompt, cfg: SamplingConfig, position: int) -> torch.Tensor:
+    """Exact target distribution of the generated token at ``position`` (0-based), by enumerating every
+    earlier continuation with its probability (VOCAB ** position prefixes)."""
+    frontier = {(): 1.0}
+    for _ in range(position):
+        nxt = {}
+        for seq, w in frontier.items():
+            target.reset()
+            probs = logits_to_probs(target.forward(prompt + list(seq), keep_logits=1)[0], cfg)[0]
+            for x in range(VOCAB):
+                if probs[x] > 0:
+                    nxt[seq + (x,)] = w * float(probs[x])
+        frontier = nxt
+    out = torch.zeros(VOCAB)
+    for seq, w in frontier.items():
+        target.reset()
+        out += w * logits_to_probs(target.forward(prompt + list(seq), keep_logits=1)[0], cfg)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def close_drafts(tmp_path_factory):
+    """A target and two drafts that agree with it often (its weights plus noise), so that later draft
+    positions are reached: one over the full vocabulary, one whose output layer covers only some ids (the
+    testbed draft's shape: q is 0 elsewhere)."""
+    from transformers import AutoModelForCausalLM
+
+    from pivotspec.models import load_lm, reduced_vocab_lm
+
+    root = tmp_path_factory.mktemp("close")
+    tok = make_tokenizer([f"t{i}" for i in range(VOCAB)])
+    target_path = make_tiny_model(root / "t", seed=11, layers=2, init=0.3, vocab=VOCAB, tokenizer=tok)
+    torch.manual_seed(14)
+    model = AutoModelForCausalLM.from_pretrained(target_path)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    model.save_pretrained(root / "d")
+    tok.save_pretrained(root / "d")
+    ids = [0, 2, 3, 5, 6]
+    with torch.no_grad():  # keep the rows of ``ids`` (plus one row for every other id) in and out
+        rows = torch.tensor(ids + [1])
+        model.model.embed_tokens.weight = torch.nn.Parameter(model.model.embed_tokens.weight[rows].clone())
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight[rows].clone())
+        model.config.vocab_size = len(ids) + 1
+    target = load_lm(str(target_path))
+    return target, load_lm(str(root / "d")), reduced_vocab_lm("reduced", model, target.tokenizer, ids, VOCAB)
+
+
+@pytest.mark.parametrize("which", ["full-vocab draft", "reduced-vocab draft"])
+def test_sd_samples_follow_target_distribution_at_draft_position_4(close_drafts, which):
+    """gamma 4 and 5 new tokens (so the first step drafts 4): the 4th token is the 4th draft position of the
+    first step (kept, or the residual sample after a rejection), where a bug in the acceptance of later
+    positions would show."""
+    target, full, reduced = close_drafts
+    draft = reduced if which.startswith("reduced") else full
+    cfg, prompt = SamplingConfig(temperature=1.0), [1, 2, 3]
+    expected = exact_marginal_at(target, prompt, cfg, 3)
+    counts, depth = Counter(), Counter()
+    for seed in range(SAMPLES):
+        g = decode("sd", target, draft, prompt, cfg=cfg, gamma=4, max_new_tokens=5, eos_ids=set(), seed=seed)
+        counts[g.token_ids[3]] += 1
+        depth[g.stats["accepted"]] += 1
+    assert depth[3] + depth[4] > SAMPLES // 4  # the 4th draft position was reached and kept often enough to matter
+    assert chi_square_pvalue(torch.tensor([float(counts[i]) for i in range(VOCAB)]), expected) > 0.001
+
+
+def test_pad_sigma0_equals_sd_draw_for_draw_when_sampling(small_vocab_pair):
+    from pivotspec.acceptance import PAD, constant_classifier
+
+    target, draft = small_vocab_pair
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95)
+    pad = PAD(constant_classifier(0.0), sigma=0.0, tau=0.0)  # scores 0 everywhere: any override would show
+    for seed in range(40):
+        sd = decode("sd", target, draft, [1, 2, 3], cfg=cfg, gamma=3, max_new_tokens=12, eos_ids=set(), seed=seed)
+        pd = decode("pad", target, draft, [1, 2, 3], pad, cfg=cfg, gamma=3, max_new_tokens=12, eos_ids=set(),
+                    seed=seed)
+        assert pd.token_ids == sd.token_ids and pd.trace == sd.trace

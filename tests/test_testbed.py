@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from pivotspec import features
 from pivotspec.cli import main
 from pivotspec.decoding import decode
 from pivotspec.models import check_same_tokenizer, eos_ids, load_lm
 from pivotspec.tasks import encode_problem, get_task
 
 EXPECTED = Path(__file__).parent / "data" / "testbed_expected.json"
+LABELS = Path(__file__).parent.parent / "labels" / "testbed_arith_train.jsonl"
 PROBLEMS = [0, 1, 2]
 
 
@@ -58,21 +60,41 @@ def test_shipped_draft_is_small_and_reduced_vocab(pair):
 
 
 def test_shipped_classifier_fits_the_target_and_drives_pad(pair, capsys):
-    from pivotspec.classifier_cli import load_for_target
+    from pivotspec.classifier import load_for_target
     from pivotspec.testbed.artifacts import shipped_classifier
 
     target, draft = pair
     path = shipped_classifier()
     assert path is not None, "the testbed classifier must ship in src/pivotspec/testbed/data/classifier"
     _, config = load_for_target(path, target)
-    assert 0 < config["sigma"] < 1 and config["layer"] == target.num_layers - 8
-    assert config["metrics"]["val"]["auroc"] > 0.6  # far above chance on held-out problems
-    assert config["val_recall_at_sigma"] >= config["target_recall"]
+    assert 0 < config["sigma"] < 1 and config["layer"] == target.num_layers - 7 and config["layer_arg"] == -8
+    assert config["metrics"]["report"]["auroc"] > 0.9  # held-out problems that chose nothing
+    assert config["metrics"]["selection_at_sigma"]["recall"] >= config["target_recall"]
+    assert config["labels"]["sha256_16"] == features.file_hash(LABELS)  # trained on the committed labels
     problem = get_task("arith").problems("test", 1, seed=0)[0]
     assert main(["generate", "--pair", "testbed", "--method", "pad", "--chat", "--json", "--max-new-tokens", "40",
                  "--prompt", problem.prompt]) == 0  # no --classifier: the shipped one is used
     rec = json.loads(capsys.readouterr().out)
     assert rec["stats"]["new_tokens"] > 0 and rec["stats"]["drafted"] > 0
+
+
+def test_classifier_learns_a_label_that_only_the_draft_token_decides(pair):
+    """Relabel real candidates so that d is a pivot iff its token id is odd: nothing about the prefix or the
+    target's distribution tells, only d itself. A classifier reading d's own row learns it on held-out
+    problems; one reading the row that predicts d (which has not seen d) cannot."""
+    from pivotspec import metrics
+    from pivotspec.classifier import pivot_scores
+    from pivotspec.classifier_training import fit_with_sweep, inputs
+    from pivotspec.store import read_records
+
+    target, _ = pair
+    records = [r for r in read_records(LABELS, repair=False) if r["type"] == "candidate"][:300]
+    records = [{**r, "label": r["d"] % 2, "u_rej": 1.0} for r in records]
+    feats = features.extract(target, records, -8)
+    split = features.split_by_problem(feats["group"])
+    net, _ = fit_with_sweep("extended_v2", feats, split, epochs=400, seed=0, lrs=(1e-3,), weight_decays=(0.0,))
+    rep = split == 2
+    assert metrics.auroc(pivot_scores(net, *inputs("extended_v2", feats, rep)), feats["labels"][rep]) > 0.9
 
 
 def test_demo_runs(tmp_path, capsys):

@@ -17,8 +17,8 @@ import torch
 from pivotspec.errors import UsageError
 from pivotspec.sampling import SamplingConfig, logits_to_probs
 
-# scores (hidden [g, d] or None, target_probs [g, V], draft_tokens [g], draft_probs [g, V]) -> pivot prob [g]
-Classifier = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# reads one verification step, returns each draft token's pivot probability [g]
+Classifier = Callable[["Verification"], torch.Tensor]
 
 
 class Verification:
@@ -35,7 +35,7 @@ class Verification:
         self.target_logits = target_logits  # [g + 1, V]
         self._draft_logits = draft_logits  # [g, V], or a function that builds them on first use
         self.cfg = cfg
-        self.hidden = hidden  # [g, d] target hidden state at the positions that predict each draft token
+        self.hidden = hidden  # [g + 1, d] target hidden states of the rows [last, d_1 .. d_g] (row i holds d_i)
         if q is not None:
             self.__dict__["q"] = q  # the sampler already computed the draft distributions
         self.sd_ok = torch.zeros(draft_tokens.shape[0], dtype=torch.bool)  # the lossless rule's decision
@@ -107,7 +107,7 @@ class PAD:
 
     def scores(self, v: Verification) -> torch.Tensor:
         g = v.draft_tokens.shape[0]
-        return self.classifier(v.hidden, v.p_raw[:g], v.draft_tokens, v.q_raw).reshape(g)
+        return self.classifier(v).reshape(g)
 
     def override(self, v: Verification) -> torch.Tensor:
         if self.sigma <= 0:
@@ -118,8 +118,7 @@ class PAD:
 def constant_classifier(score: float) -> Classifier:
     """A classifier that calls every token a pivot with probability ``score`` (for tests and ablations)."""
 
-    def classify(hidden: torch.Tensor | None, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                 draft_probs: torch.Tensor) -> torch.Tensor:
-        return torch.full((draft_tokens.shape[0],), float(score))
+    def classify(v: Verification) -> torch.Tensor:
+        return torch.full((v.draft_tokens.shape[0],), float(score))
 
     return classify

@@ -20,6 +20,8 @@ from pivotspec.errors import UsageError
 from pivotspec.sampling import entropy
 
 TYPES = ("extended_v2", "extended", "mlp", "linear")
+# Which hidden-state row a classifier reads; recorded in classifier.json so an old model is refused.
+FEATURE_ROW = "draft_token"
 WEIGHTS, CONFIG = "classifier.safetensors", "classifier.json"
 
 
@@ -66,7 +68,8 @@ class PivotNet(nn.Module):
 
 def scalar_features(kind: str, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                     draft_probs: torch.Tensor | None) -> torch.Tensor | None:
-    """[n, k] scalars: target entropy and p(d) (+ draft entropy and q(d) for ``extended``)."""
+    """[n, k] scalars: target entropy and p(d) (+ draft entropy and q(d) for ``extended``), each from the
+    distribution that predicts d."""
     k = n_scalars(kind)
     if not k:
         return None
@@ -77,16 +80,38 @@ def scalar_features(kind: str, target_probs: torch.Tensor, draft_tokens: torch.T
     return torch.stack(cols, dim=-1)
 
 
+def model_inputs(kind: str, hidden_rows: torch.Tensor | None, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
+                 draft_probs: torch.Tensor | Callable[[], torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The classifier's inputs for ``g`` draft tokens, from one target forward over [last, d_1 .. d_g].
+
+    The training features and the PAD policy both come through here, so a model sees at decode time exactly
+    what it was trained on. ``hidden_rows`` and ``target_probs`` are that forward's g + 1 rows (g rows of
+    probabilities suffice). The hidden state is read at d_i's OWN row (i, where d_i is the input token: it
+    has seen d_i, so two draft tokens at one position differ); entropy and p(d_i) come from row i - 1, the
+    distribution that predicts d_i. ``draft_probs`` ([g, V], or a function building them) is read only by
+    classifier types that use the draft's scalars, so other types never pay for it.
+    """
+    g = draft_tokens.shape[0]
+    h = hidden_rows[1: g + 1] if hidden_rows is not None else None
+    q = draft_probs() if callable(draft_probs) and n_scalars(kind) == 4 else draft_probs
+    s = scalar_features(kind, target_probs[:g], draft_tokens, q[:g] if n_scalars(kind) == 4 else None)
+    return h, s
+
+
 def pivot_scores(net: PivotNet, h: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
     with torch.no_grad():
         return torch.softmax(net(h, s), dim=-1)[:, 1]
 
 
-def train(net: PivotNet, train_x: tuple, train_y: torch.Tensor, val_x: tuple, val_y: torch.Tensor, *,
+def train(kind: str, d_model: int, train_x: tuple, train_y: torch.Tensor, val_x: tuple, val_y: torch.Tensor, *,
           lr: float = 1e-3, epochs: int = 2000, patience: int = 200, weight_decay: float = 1e-2, seed: int = 0,
-          progress: Callable[[int, int, float, float], None] | None = None) -> dict[str, Any]:
-    """Full-batch AdamW with class-balanced cross-entropy; keeps the best validation-loss weights."""
+          progress: Callable[[int, int, float, float], None] | None = None) -> tuple[PivotNet, dict[str, Any]]:
+    """Build and train a ``kind`` classifier: full-batch AdamW with class-balanced cross-entropy, keeping the
+    weights of the epoch with the lowest loss on ``val`` (the selection split). The seed is set before the
+    model is built, so its initial weights are reproducible too."""
     torch.manual_seed(seed)
+    net = PivotNet(kind, d_model)
     net.fit_normalisation(*train_x)
     counts = torch.bincount(train_y, minlength=2).float().clamp_min(1)
     loss_fn = nn.CrossEntropyLoss(weight=counts.sum() / (2 * counts))
@@ -110,7 +135,7 @@ def train(net: PivotNet, train_x: tuple, train_y: torch.Tensor, val_x: tuple, va
             break
     net.load_state_dict(best_state)
     net.eval()
-    return {"best_val_loss": best, "best_epoch": best_epoch, "epochs_run": epoch + 1}
+    return net, {"best_val_loss": best, "best_epoch": best_epoch, "epochs_run": epoch + 1}
 
 
 def calibrate_sigma(scores: torch.Tensor, labels: torch.Tensor, target_recall: float) -> float:
@@ -163,14 +188,57 @@ def check_compatible(config: dict[str, Any], target: Any) -> None:
     if made_for.get("name") != target.name:
         raise UsageError(f"classifier was trained for target {made_for.get('name')!r}, not {target.name!r}: "
                          "train one for this target")
+    if config.get("feature_row") != FEATURE_ROW:
+        raise UsageError(f"classifier reads the hidden state at the {config.get('feature_row', 'predicting')!r} row, "
+                         f"this version feeds the {FEATURE_ROW!r} row: train it again with this version")
 
 
-def as_policy_classifier(net: PivotNet) -> Callable[..., torch.Tensor]:
-    """Adapter to the decoding loop's classifier signature (hidden, target probs, draft tokens, draft probs)."""
+def as_policy_classifier(net: PivotNet) -> Callable[[Any], torch.Tensor]:
+    """The PAD policy's classifier: reads a verification step (``acceptance.Verification``)."""
 
-    def classify(hidden: torch.Tensor, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                 draft_probs: torch.Tensor) -> torch.Tensor:
-        s = scalar_features(net.kind, target_probs, draft_tokens, draft_probs)
-        return pivot_scores(net, hidden, s)
+    def classify(v: Any) -> torch.Tensor:
+        h, s = model_inputs(net.kind, v.hidden, v.p_raw, v.draft_tokens, lambda: v.q_raw)
+        return pivot_scores(net, h, s)
 
     return classify
+
+
+def load_for_target(path: Path, target: Any) -> tuple[Callable[[Any], torch.Tensor], dict[str, Any]]:
+    """A trained classifier as the decoding loop's callable, checked against ``target``."""
+    net, config = load(path)
+    check_compatible(config, target)
+    return as_policy_classifier(net), config
+
+
+# Reference classifiers: logistic regressions on the scalars alone. If the hidden-state classifier does not
+# beat these, it has learned a probability threshold and PAD is a relaxed-SD rule in disguise.
+REFERENCES = {"logreg_p": [1], "logreg_entropy_p": [0, 1]}  # columns of the [entropy, p(d)] scalars
+
+
+def fit_logistic(x: torch.Tensor, y: torch.Tensor, weight_decay: float = 1e-4) -> dict[str, Any]:
+    """Class-balanced logistic regression on standardised columns (L-BFGS, float64); JSON-ready."""
+    x = x.double()
+    mean, std = x.mean(0), x.std(0).clamp_min(1e-9)
+    z = (x - mean) / std
+    w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    counts = torch.bincount(y, minlength=2).double().clamp_min(1)
+    weights = (counts.sum() / (2 * counts))[y]
+    opt = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        logits = z @ w + b
+        loss = (weights * nn.functional.binary_cross_entropy_with_logits(logits, y.double(), reduction="none")).mean()
+        loss = loss + weight_decay * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return {"mean": mean.tolist(), "std": std.tolist(), "w": w.detach().tolist(), "b": float(b.detach())}
+
+
+def logistic_scores(model: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    f64 = torch.float64
+    z = (x.double() - torch.tensor(model["mean"], dtype=f64)) / torch.tensor(model["std"], dtype=f64)
+    return torch.sigmoid(z @ torch.tensor(model["w"], dtype=f64) + model["b"]).float()

@@ -164,7 +164,7 @@ def make_policy(args: argparse.Namespace, method: str, target: LM | None = None,
         except ValueError:
             raise UsageError(f"bad classifier {args.classifier!r}: write const:SCORE with SCORE in [0, 1]") from None
         return PAD(constant_classifier(score), sigma=0.5 if sigma is None else sigma, tau=args.tau)
-    from pivotspec.classifier_cli import load_for_target
+    from pivotspec.classifier import load_for_target
 
     if target is None:
         from pivotspec.classifier import load

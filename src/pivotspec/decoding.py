@@ -135,8 +135,7 @@ def generate(
         v = None
         if drafts:
             d = torch.tensor(drafts)
-            h = hidden[: len(drafts)] if hidden is not None else None  # rows that predict each draft token
-            v = Verification(d, logits, proposal.full_logits, cfg, h, q=proposal.q)
+            v = Verification(d, logits, proposal.full_logits, cfg, hidden, q=proposal.q)
             if cfg.greedy:
                 v.sd_ok = argmax(logits[: len(drafts)]) == d
             else:

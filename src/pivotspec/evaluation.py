@@ -50,9 +50,11 @@ def wilson_ci(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
 def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], target: LM | None, draft: LM | None, *,
              chat: bool = True, progress: Callable[[int, int], None] | None = None,
              done: set[tuple[str, str]] | None = None, emit: Callable[[dict], None] | None = None,
-             **decode_kwargs: Any) -> list[dict[str, Any]]:
+             warmup: bool = True, **decode_kwargs: Any) -> list[dict[str, Any]]:
     """One row per (problem, method): the completion, its score, its stats and its per-token trace.
-    Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists."""
+    Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists. With ``warmup``,
+    every method first decodes the first problem still to do once, untimed and unrecorded; the method
+    order then rotates by one per problem."""
     from pivotspec.decoding import decode
     from pivotspec.models import eos_ids
     from pivotspec.tasks import encode_problem
@@ -60,15 +62,23 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
     lm = target or draft
     stop_ids = eos_ids(lm)
     stops = list(getattr(task, "stop_strings", [])) + list(decode_kwargs.pop("stop_strings", None) or [])
+
+    def run(spec: MethodSpec, ids: list[int]) -> Any:
+        kwargs = decode_kwargs if spec.gamma is None else {**decode_kwargs, "gamma": spec.gamma}
+        return decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops, **kwargs)
+
+    todo = [p for p in problems if not done or any((p.id, s.label) not in done for s in specs)]
+    if todo and warmup:  # untimed: the first decode of a process pays for lazy initialisation
+        for spec in specs:
+            run(spec, encode_problem(lm.tokenizer, todo[0], chat=chat))
     rows = []
     for i, problem in enumerate(problems):
         ids = encode_problem(lm.tokenizer, problem, chat=chat)
-        for spec in specs:
+        shift = i % len(specs)  # rotate the order, so no method always runs first (or right after another)
+        for spec in specs[shift:] + specs[:shift]:
             if done and (problem.id, spec.label) in done:
                 continue
-            kwargs = decode_kwargs if spec.gamma is None else {**decode_kwargs, "gamma": spec.gamma}
-            gen = decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops,
-                         **kwargs)
+            gen = run(spec, ids)
             row = {"problem_id": problem.id, "method": spec.label, "completion": gen.text,
                    "score": task.score(problem, gen.text), "stats": gen.stats,
                    "trace": [[lm.tokenizer.decode([t]), s] for t, s in gen.trace]}
@@ -87,8 +97,34 @@ def _quartiles(values: list[float]) -> list[float]:
     return [q[0], q[2]]
 
 
-def summarize(rows: list[dict[str, Any]], baseline: str = "ar") -> dict[str, dict[str, Any]]:
-    """Aggregate rows per method; ratios of sums, so long completions weigh by their length."""
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value: of the b + c problems where exactly one of two methods is right,
+    is the split b : c more uneven than a fair coin's?"""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_comparison(rows: list[dict[str, Any]], method: str, reference: str) -> dict[str, Any] | None:
+    """Accuracy of ``method`` against ``reference`` on the problems both ran: the difference, the
+    discordant counts (b: only method right, c: only reference right) and the exact McNemar p-value."""
+    ref = {r["problem_id"]: r["score"] for r in rows if r["method"] == reference}
+    mine = {r["problem_id"]: r["score"] for r in rows if r["method"] == method and r["problem_id"] in ref}
+    if not mine:
+        return None
+    b = sum(1 for p, s in mine.items() if s > 0.5 >= ref[p])
+    c = sum(1 for p, s in mine.items() if ref[p] > 0.5 >= s)
+    diff = (sum(mine.values()) - sum(ref[p] for p in mine)) / len(mine)
+    return {"reference": reference, "n": len(mine), "diff": diff, "only_method": b, "only_reference": c,
+            "p_mcnemar": mcnemar_exact(b, c)}
+
+
+def summarize(rows: list[dict[str, Any]], baseline: str = "ar",
+              references: tuple[str, ...] = ("ar", "sd")) -> dict[str, dict[str, Any]]:
+    """Aggregate rows per method; ratios of sums, so long completions weigh by their length. Each method's
+    accuracy is also compared, paired by problem, with each of ``references`` that ran."""
     out: dict[str, dict[str, Any]] = {}
     base_wall = {r["problem_id"]: r["stats"]["wall_s"] for r in rows if r["method"] == baseline}
     for label in dict.fromkeys(r["method"] for r in rows):
@@ -117,6 +153,8 @@ def summarize(rows: list[dict[str, Any]], baseline: str = "ar") -> dict[str, dic
                         if paired and base_wall else None),
             "speedup_median": statistics.median(ratios) if ratios else None,
             "speedup_iqr": _quartiles(ratios) if ratios else None,
+            "paired": {ref: paired_comparison(rows, label, ref) for ref in references if ref != label
+                       and any(r["method"] == ref for r in rows)},
         }
     return out
 
@@ -126,13 +164,20 @@ def fmt(x: Any, spec: str, suffix: str = "") -> str:
     return "-" if x is None else format(x, spec) + suffix
 
 
+def paired_cell(p: dict[str, Any] | None) -> str:
+    """'-0.020 (p 0.25)': accuracy difference and exact McNemar p-value, or '-'."""
+    return "-" if not p else f"{p['diff']:+.3f} (p {p['p_mcnemar']:.2g})"
+
+
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    lines = ["| method | accuracy | 95% CI | eta | tau | target fwd/token | ms/token | speedup | speedup IQR |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | accuracy | 95% CI | vs ar (McNemar) | vs sd (McNemar) | eta | tau | target fwd/token | "
+             "ms/token | speedup | speedup IQR |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, s in summary.items():
         lo, hi = s["ci95"]
         iqr = "-" if not s["speedup_iqr"] else f"{s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}"
-        lines.append(f"| {label} | {s['accuracy']:.3f} | [{lo:.3f}, {hi:.3f}] | {fmt(s['eta'], '.3f')} | "
+        paired = s.get("paired", {})
+        lines.append(f"| {label} | {s['accuracy']:.3f} | [{lo:.3f}, {hi:.3f}] | {paired_cell(paired.get('ar'))} | "
+                     f"{paired_cell(paired.get('sd'))} | {fmt(s['eta'], '.3f')} | "
                      f"{fmt(s['tau'], '.2f')} | {fmt(s['target_forwards_per_token'], '.3f')} | "
                      f"{fmt(s['ms_per_token'], '.1f')} | {fmt(s['speedup'], '.2f', 'x')} | {iqr} |")
     return "\n".join(lines)
@@ -215,15 +260,19 @@ def classifier_fingerprint(args: argparse.Namespace, specs: list[MethodSpec]) ->
         return None
     if clf.startswith("const:"):
         return clf
+    from pivotspec.classifier import CONFIG, WEIGHTS
+
     digest = hashlib.sha256()
-    for f in sorted(Path(clf).iterdir()):
-        digest.update(f.name.encode() + f.read_bytes())
+    for name in (CONFIG, WEIGHTS):  # only the classifier's own files: plots or subdirectories may sit beside them
+        digest.update(name.encode() + (Path(clf) / name).read_bytes())
     return f"{clf}#{digest.hexdigest()[:12]}"
 
 
 def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], specs: list[MethodSpec],
-             target: LM | None, draft: LM | None) -> dict[str, dict[str, Any]]:
-    """Run (or resume) the evaluation; with --out also write results, summaries, plot and report."""
+             target: LM | None, draft: LM | None,
+             between: Callable[[int, int], None] | None = None) -> dict[str, dict[str, Any]]:
+    """Run (or resume) the evaluation; with --out also write results, summaries, plot and report.
+    ``between(done, total)`` runs after each problem, outside any timed decode."""
     from pivotspec.sampling import SamplingConfig
     from pivotspec.store import append_record, open_for_append
 
@@ -239,6 +288,8 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
         rate = (time.perf_counter() - start) / i
         print(f"\rproblems {i}/{total} | {rate:.1f} s/problem | ETA {rate * (total - i) / 60:.1f} min   ",
               end="" if i < total else "\n", file=sys.stderr, flush=True)
+        if between:
+            between(i, total)
 
     with ExitStack() as stack:  # results.jsonl stays locked until every row is written
         fh = stack.enter_context(open_for_append(args.out / "results.jsonl", args.overwrite)) if args.out else None

@@ -1,8 +1,8 @@
 """Classifier features for labeled candidates, computed by the target and cached on disk.
 
-All candidates of one problem lie on one walked trajectory, so a single forward over the longest prefix
-yields the hidden state and distribution at every candidate position of that problem. Results are cached
-as safetensors keyed by the labels file's hash, the target's identity and the layer.
+Each candidate's features come from the same rows, through the same function, as a PAD step's (see
+``classifier.model_inputs``). Results are cached as safetensors keyed by the labels file's hash, the
+target's identity, the layer and ``FEATURES_VERSION``.
 """
 
 from __future__ import annotations
@@ -13,78 +13,85 @@ from pathlib import Path
 
 import torch
 
+from pivotspec.drafting import fit_vocab
 from pivotspec.errors import UsageError
 from pivotspec.models import LM, cache_dir
-from pivotspec.sampling import entropy
+
+# Bumped whenever what a feature means changes, so no cached file of an older meaning is read back.
+# 2: the hidden state at d's own row (1 read the row that predicts d).
+FEATURES_VERSION = 2
 
 
 def file_hash(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
-def candidates(records: list[dict], drop_unsolvable: bool = True) -> list[dict]:
-    """Candidate records, de-duplicated by (problem, step); by default without rows where the target
-    itself never succeeds (U_rej = 0): they carry no signal about what a token changes (authors' filter)."""
+def candidates(records: list[dict]) -> list[dict]:
+    """Candidate records, de-duplicated by (problem, step) (the first record wins)."""
     seen, out = set(), []
     for r in records:
-        if r.get("type") != "candidate" or (drop_unsolvable and r["u_rej"] == 0):
+        if r.get("type") != "candidate":
             continue
         key = (r["problem_id"], r["step"])
         if key not in seen:
             seen.add(key)
             out.append(r)
     if not out:
-        raise UsageError("the labels file has no usable candidates: label more problems first")
+        raise UsageError("the labels file has no candidates: label more problems first")
     return out
 
 
 @torch.inference_mode()
-def _model_features(lm: LM, cands: list[dict], layer: int | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Hidden states (if ``layer``) and [entropy, prob of d] at each candidate's position."""
-    by_problem: dict[str, list[int]] = {}
-    for i, r in enumerate(cands):
-        by_problem.setdefault(r["problem_id"], []).append(i)
+def _model_features(target: LM, cands: list[dict], layer: int | None,
+                    draft: LM | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Hidden states (if ``layer``) and scalars for each candidate, computed the way a PAD step computes
+    them: the target advances over prefix + [d] and returns the rows of [last prefix token, d], which
+    ``classifier.model_inputs`` turns into inputs exactly as it does for a verification forward. Candidates
+    of one problem lie on one walked trajectory, so taken in step order each advance reuses the cache and
+    feeds only the tokens since the previous candidate (rolling back a d the walk did not follow)."""
+    from pivotspec.classifier import model_inputs
+
+    kind = "extended" if draft is not None else "extended_v2"
     hidden = [None] * len(cands)
     scalars = [None] * len(cands)
-    for idx in by_problem.values():
-        longest = max((cands[i]["prefix_ids"] for i in idx), key=len)
-        groups = [[i for i in idx if longest[: len(cands[i]["prefix_ids"])] == cands[i]["prefix_ids"]]]
-        groups += [[i] for i in idx if i not in groups[0]]  # off-trajectory rows (should not happen) on their own
-        for group in groups:
-            seq = max((cands[i]["prefix_ids"] for i in group), key=len)
-            first = min(len(cands[i]["prefix_ids"]) for i in group) - 1
-            lm.reset()
-            logits, h = lm.forward(seq, keep_logits=len(seq) - first, hidden_layer=layer)
-            probs = torch.softmax(logits, dim=-1)
-            for i in group:
-                row = len(cands[i]["prefix_ids"]) - 1 - first
-                d = cands[i]["d"]
-                scalars[i] = torch.stack([entropy(probs[row]), probs[row, d]])
-                if h is not None:
-                    hidden[i] = h[row]
+    order = sorted(range(len(cands)), key=lambda i: (cands[i]["problem_id"], len(cands[i]["prefix_ids"])))
+    for m in (target, draft):
+        if m is not None:
+            m.reset()
+    for i in order:
+        prefix, d = cands[i]["prefix_ids"], cands[i]["d"]
+        logits, h = target.advance(prefix + [d], keep_logits=2, hidden_layer=layer)
+        q = None
+        if draft is not None:
+            q = torch.softmax(fit_vocab(draft.advance(prefix, keep_logits=1)[0], target.vocab_size), dim=-1)
+        h_i, s_i = model_inputs(kind, h, torch.softmax(logits, dim=-1), torch.tensor([d]), q)
+        scalars[i] = s_i[0]
+        if h_i is not None:
+            hidden[i] = h_i[0]
     return (torch.stack(hidden) if layer is not None else None), torch.stack(scalars)
 
 
 def extract(target: LM, records: list[dict], layer: int, draft: LM | None = None,
             cache_key: str | None = None) -> dict[str, torch.Tensor]:
-    """{"hidden": [n, d], "scalars": [n, 2 or 4], "labels": [n], "group": [n] problem index}."""
+    """Features of every candidate: {"hidden": [n, d], "scalars": [n, 2, or 4 with a draft], "labels",
+    "u_acc", "u_rej": [n], "group": [n] problem index}. Filters are applied later, by the caller."""
     from safetensors.torch import load_file, save_file
 
+    layer = target.resolve_layer(layer)
     cands = candidates(records)
     path = None
     if cache_key:
-        ident = json.dumps([cache_key, target.name, target.num_layers, target.d_model, layer,
+        ident = json.dumps([FEATURES_VERSION, cache_key, target.name, target.num_layers, target.d_model, layer,
                             draft.name if draft else None])
         path = cache_dir() / "features" / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.safetensors"
         if path.is_file():
             return load_file(str(path))
-    hidden, scalars = _model_features(target, cands, layer)
-    if draft is not None:
-        _, draft_scalars = _model_features(draft, cands, None)
-        scalars = torch.cat([scalars, draft_scalars], dim=-1)
+    hidden, scalars = _model_features(target, cands, layer, draft)
     problems = {p: i for i, p in enumerate(dict.fromkeys(r["problem_id"] for r in cands))}
     feats = {"hidden": hidden.contiguous(), "scalars": scalars.contiguous(),
              "labels": torch.tensor([int(r["label"]) for r in cands]),
+             "u_acc": torch.tensor([float(r["u_acc"]) for r in cands]),
+             "u_rej": torch.tensor([float(r["u_rej"]) for r in cands]),
              "group": torch.tensor([problems[r["problem_id"]] for r in cands])}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,9 +101,19 @@ def extract(target: LM, records: list[dict], layer: int, draft: LM | None = None
     return feats
 
 
-def split_by_problem(groups: torch.Tensor, val_fraction: float = 0.2, seed: int = 0) -> torch.Tensor:
-    """Boolean mask of validation rows; whole problems go to one side, so no problem is on both."""
+SPLITS = ("train", "selection", "report")
+
+
+def split_by_problem(groups: torch.Tensor, fractions: tuple[float, float] = (0.2, 0.2),
+                     seed: int = 0) -> torch.Tensor:
+    """Per row 0 (train), 1 (selection: early stopping, sweep, sigma) or 2 (report: held-out metrics).
+    Whole problems go to one split, so no problem is on two sides; ``fractions`` are selection's and
+    report's shares of the problems."""
     ids = torch.unique(groups)
     perm = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))]
-    n_val = max(1, round(val_fraction * len(ids))) if len(ids) > 1 else 0
-    return torch.isin(groups, perm[:n_val])
+    n_sel = max(1, round(fractions[0] * len(ids))) if len(ids) > 2 else 0
+    n_rep = max(1, round(fractions[1] * len(ids))) if len(ids) > 2 else 0
+    split = torch.zeros_like(groups)
+    split[torch.isin(groups, perm[:n_sel])] = 1
+    split[torch.isin(groups, perm[n_sel:n_sel + n_rep])] = 2
+    return split

@@ -164,6 +164,10 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
         if d != t:
             step = len(generated)
             rec = known.get(step)
+            if rec is not None and (rec["prefix_ids"] != seq or rec["d"] != d or rec["t"] != t):
+                # The walk is deterministic, so this means the models or the file changed since that record.
+                raise UsageError(f"problem {problem.id} step {step}: the labels file holds a candidate on another "
+                                 "trajectory (different prefix or tokens): pass --overwrite or use another --out")
             if rec is None:
                 n = cfg.rollouts
                 started = time.perf_counter()
@@ -188,7 +192,7 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
     return {**summary, "status": "done", "candidates": n_candidates, "walk_tokens": len(generated)}
 
 
-def make_judge(judge: LM, task: Task) -> Callable[..., bool]:
+def make_judge(judge: LM, task: Task, target_tokenizer: Any) -> Callable[..., bool]:
     """A soundness check (method.md section 2, step 5) with a local model: it reads the median-length
     correct rollout after d and answers Yes/No to "is every step correct?". It can only flip a non-pivot
     to a pivot. The authors used a hosted model here; any local HF causal LM works, quality varies."""
@@ -201,7 +205,8 @@ def make_judge(judge: LM, task: Task) -> Callable[..., bool]:
         correct = sorted((c for c, s in zip(conts, scores, strict=True) if s > 0), key=len)
         if not correct:
             return False
-        text = judge.tokenizer.decode(generated + correct[len(correct) // 2], skip_special_tokens=True)
+        # The rollout is the target's token ids: only the target's tokenizer can turn them into text.
+        text = target_tokenizer.decode(generated + correct[len(correct) // 2], skip_special_tokens=True)
         question = problem.messages[-1]["content"] if problem.messages else problem.prompt
         ask = (f"Problem: {question}\nProposed solution: {text}\n"
                "Is every step of the proposed solution correct? Answer Yes or No.")
@@ -264,7 +269,7 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
         if r.get("type") == "candidate":
             known.setdefault(r["problem_id"], {})[r["step"]] = r
     stop_ids = eos_ids(target)
-    flip = make_judge(judge, task) if judge is not None else None
+    flip = make_judge(judge, task, target.tokenizer) if judge is not None else None
     bar = Progress(len(problems)) if progress else None
 
     def emit(rec: dict) -> None:

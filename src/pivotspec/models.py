@@ -134,6 +134,16 @@ class LM:
     def d_model(self) -> int:
         return int(self.model.config.hidden_size)
 
+    def resolve_layer(self, layer: int) -> int:
+        """A block index in HF's ``hidden_states`` convention, 1..L (1 = after the first block); negative
+        values count from the end the way ``hidden_states[layer]`` does, so -8 (the authors' default) is
+        block L - 7 and -1 the top block (read before the final norm, which HF's ``hidden_states[-1]`` includes)."""
+        resolved = layer + self.num_layers + 1 if layer < 0 else layer
+        if not 1 <= resolved <= self.num_layers:
+            raise UsageError(f"layer {layer} outside 1..{self.num_layers} (or -{self.num_layers}..-1) for model "
+                             f"{self.name}: pick a layer this model has")
+        return resolved
+
     def reset(self) -> None:
         from pivotspec.kvcache import growing_cache
 
@@ -156,15 +166,13 @@ class LM:
         """Append ``ids`` to the cache; return float32 logits of the last ``keep_logits`` positions
         (over the full token-id space, or the output layer's own rows when ``full_vocab`` is False) and,
         if asked, the hidden state after block ``hidden_layer`` (HF ``hidden_states[hidden_layer]``
-        convention: 1 = after the first block) for those positions."""
+        convention: 1 = after the first block, -1 = the top block) for those positions."""
         if self.cache is None:
             self.reset()
         captured: list[torch.Tensor] = []
         handle = None
         if hidden_layer is not None:
-            if not 1 <= hidden_layer <= self.num_layers:
-                raise UsageError(f"layer {hidden_layer} outside 1..{self.num_layers} for model {self.name}")
-            block = self.model.model.layers[hidden_layer - 1]
+            block = self.model.model.layers[self.resolve_layer(hidden_layer) - 1]
             handle = block.register_forward_hook(
                 lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
             )

@@ -1,0 +1,201 @@
+"""Training and evaluating the pivot classifier on a labels file (a workflow over ``classifier`` and
+``features``).
+
+Protocol: whole problems go to three splits, train / selection / report (60/20/20 by default). A small sweep
+(learning rate x weight decay) trains on train; each run keeps the epoch with the lowest selection loss;
+the run with the best selection AUROC wins; sigma is calibrated on selection; every number reported as
+held-out comes from the report split, which chose nothing. Reference classifiers (logistic regressions on
+p(d) alone and on [entropy, p(d)]) are fitted on the same train split and reported beside the model, so a
+classifier that has only learned a probability threshold shows as one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pivotspec import classifier as clf
+from pivotspec import features, metrics
+from pivotspec.errors import UsageError
+from pivotspec.models import LM
+
+SWEEP_LRS = (1e-3, 3e-4, 1e-4)
+SWEEP_WEIGHT_DECAYS = (0.0, 1e-2)
+MIN_PER_CLASS = 5  # fewer pivots or non-pivots than this in a split cannot train or calibrate anything
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The authors' training filters (method.md section 2, step 7); the first is on by default."""
+
+    drop_unsolvable: bool = True  # U_rej == 0: the target fails either way, so d changes nothing
+    pivot_max_u_acc: float | None = None  # keep pivots only if U_acc <= this
+    nonpivot_min_u_acc: float | None = None  # keep non-pivots only if U_acc >= this (authors: 0.8)
+
+    def mask(self, feats: dict[str, torch.Tensor]) -> torch.Tensor:
+        y, u_acc = feats["labels"].bool(), feats["u_acc"]
+        keep = torch.ones_like(y)
+        if self.drop_unsolvable:
+            keep &= feats["u_rej"] > 0
+        if self.pivot_max_u_acc is not None:
+            keep &= ~y | (u_acc <= self.pivot_max_u_acc)
+        if self.nonpivot_min_u_acc is not None:
+            keep &= y | (u_acc >= self.nonpivot_min_u_acc)
+        return keep
+
+
+def inputs(kind: str, feats: dict[str, torch.Tensor], mask: torch.Tensor) -> tuple:
+    """(hidden, scalars) rows of ``mask`` for a ``kind`` classifier."""
+    k = clf.n_scalars(kind)
+    return feats["hidden"][mask], (feats["scalars"][mask][:, :k] if k else None)
+
+
+def _check_classes(y: torch.Tensor, split: torch.Tensor) -> None:
+    for i, name in enumerate(features.SPLITS):
+        counts = torch.bincount(y[split == i], minlength=2).tolist()
+        if min(counts) < MIN_PER_CLASS:
+            raise UsageError(f"the {name} split has {counts[1]} pivots and {counts[0]} non-pivots (need >= "
+                             f"{MIN_PER_CLASS} of each): label more problems")
+
+
+def fit_with_sweep(kind: str, feats: dict[str, torch.Tensor], split: torch.Tensor, *, epochs: int, seed: int,
+                   lrs: tuple[float, ...] = SWEEP_LRS, weight_decays: tuple[float, ...] = SWEEP_WEIGHT_DECAYS,
+                   progress: Callable[[str], None] | None = None) -> tuple[clf.PivotNet, dict[str, Any]]:
+    """Train one ``kind`` classifier per (lr, weight decay); return the best on the selection split."""
+    y = feats["labels"]
+    tr, sel = split == 0, split == 1
+    runs, best = [], None
+    for lr, wd in itertools.product(lrs, weight_decays):
+        net, info = clf.train(kind, feats["hidden"].shape[1], inputs(kind, feats, tr), y[tr], inputs(kind, feats, sel),
+                              y[sel], lr=lr, weight_decay=wd, epochs=epochs, seed=seed)
+        sel_auroc = metrics.auroc(clf.pivot_scores(net, *inputs(kind, feats, sel)), y[sel])
+        run = {"lr": lr, "weight_decay": wd, **info, "selection_auroc": sel_auroc}
+        runs.append(run)
+        if progress:
+            progress(f"{kind} lr {lr:g} wd {wd:g}: best epoch {info['best_epoch']}, selection AUROC {sel_auroc:.3f}")
+        score = (sel_auroc, -info["best_val_loss"])
+        if best is None or score > (best[1]["selection_auroc"], -best[1]["best_val_loss"]):
+            best = (net, run)
+    return best[0], {"chosen": best[1], "runs": runs}
+
+
+def reference_models(feats: dict[str, torch.Tensor], split: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """The logistic-regression references, fitted on the train split."""
+    tr = split == 0
+    return {name: {"columns": cols, **clf.fit_logistic(feats["scalars"][tr][:, cols], feats["labels"][tr])}
+            for name, cols in clf.REFERENCES.items()}
+
+
+def reference_reports(refs: dict[str, dict[str, Any]], feats: dict[str, torch.Tensor],
+                      mask: torch.Tensor) -> dict[str, dict[str, Any]]:
+    return {name: metrics.report(clf.logistic_scores(ref, feats["scalars"][mask][:, ref["columns"]]),
+                                 feats["labels"][mask]) for name, ref in refs.items()}
+
+
+def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended_v2", layer: int = -8,
+                      target_recall: float = 0.95, draft: LM | None = None, epochs: int = 2000, seed: int = 0,
+                      split_seed: int = 0, filters: Filters = Filters(), compare_types: bool = False,
+                      progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Extract features, split by problem, sweep, calibrate sigma on selection, report on the report split,
+    save to ``out`` (which the caller has checked may be written); returns the stored config."""
+    from pivotspec.labeling import model_identity
+    from pivotspec.store import read_records
+
+    if not labels.is_file():
+        raise UsageError(f"labels file {str(labels)!r} does not exist: run `pivotspec label` first")
+    if not 0 < target_recall <= 1:
+        raise UsageError(f"--target-recall must be in (0, 1], got {target_recall}")
+    if (kind == "extended" or compare_types) and draft is None:
+        raise UsageError("classifier type 'extended' (and --compare-types) needs the draft: pass --draft or --pair")
+    resolved = target.resolve_layer(layer)
+    records = read_records(labels, repair=False)
+    check_labels_target(records, target, labels)
+    feats = features.extract(target, records, resolved, draft if (kind == "extended" or compare_types) else None,
+                             cache_key=features.file_hash(labels))
+    keep = filters.mask(feats)
+    feats = {k: v[keep] for k, v in feats.items()}
+    split = features.split_by_problem(feats["group"], seed=split_seed)
+    y = feats["labels"]
+    _check_classes(y, split)
+    sel, rep = split == 1, split == 2
+    refs = reference_models(feats, split)
+    kinds = [kind] + ([k for k in clf.TYPES if k != kind] if compare_types else [])
+    comparison, chosen = {}, None
+    for k in kinds:
+        net, sweep = fit_with_sweep(k, feats, split, epochs=epochs, seed=seed, progress=progress)
+        comparison[k] = {"report_auroc": metrics.auroc(clf.pivot_scores(net, *inputs(k, feats, rep)), y[rep]),
+                         "selection_auroc": sweep["chosen"]["selection_auroc"]}
+        if k == kind:
+            chosen = (net, sweep)
+    net, sweep = chosen
+    sel_scores = clf.pivot_scores(net, *inputs(kind, feats, sel))
+    rep_scores = clf.pivot_scores(net, *inputs(kind, feats, rep))
+    sigma = clf.calibrate_sigma(sel_scores, y[sel], target_recall)
+    config = {
+        "type": kind, "layer": resolved, "layer_arg": layer, "feature_row": clf.FEATURE_ROW, "d_model": target.d_model,
+        "features": ["hidden@draft_token"] + (["target_entropy", "target_prob_d"] if clf.n_scalars(kind) else [])
+        + (["draft_entropy", "draft_prob_d"] if kind == "extended" else []),
+        "target": model_identity(target), "sigma": sigma, "target_recall": target_recall,
+        "labels": {"file": labels.name, "sha256_16": features.file_hash(labels), "candidates": int(len(keep)),
+                   "rows_after_filters": len(y),
+                   "rows": {name: int((split == i).sum()) for i, name in enumerate(features.SPLITS)},
+                   "problems": {name: int(len(torch.unique(feats["group"][split == i])))
+                                for i, name in enumerate(features.SPLITS)}},
+        "filters": asdict(filters), "split_seed": split_seed, "seed": seed,
+        "training": {"epochs_max": epochs, "sweep": sweep},
+        "metrics": {"report": metrics.report(rep_scores, y[rep]),
+                    "report_at_sigma": metrics.at_threshold(rep_scores, y[rep], sigma),
+                    "selection": metrics.report(sel_scores, y[sel]),
+                    "selection_at_sigma": metrics.at_threshold(sel_scores, y[sel], sigma)},
+        "references": {name: {"columns": ref["columns"], "model": {k: ref[k] for k in ("mean", "std", "w", "b")},
+                              "report": r} for (name, ref), r in zip(refs.items(),
+                                                                     reference_reports(refs, feats, rep).values(),
+                                                                     strict=True)},
+        "type_comparison": comparison,
+    }
+    clf.save(out, net, config)
+    metrics.plot_curves(rep_scores, y[rep], out, title="report split")
+    return config
+
+
+def check_labels_target(records: list[dict], target: LM, path: Path) -> None:
+    """Labels made with another target describe that model's rollouts, not this one's."""
+    from pivotspec.labeling import model_identity
+
+    made_with = next((r.get("target") for r in records if r.get("type") == "candidate"), None)
+    if made_with is not None and made_with != model_identity(target):
+        raise UsageError(f"{path} was labeled with target {made_with.get('name')!r} "
+                         f"({made_with.get('num_layers')} layers, width {made_with.get('d_model')}), not "
+                         f"{target.name!r}: label with this target or pass the target the labels were made with")
+
+
+def evaluate_on_labels(classifier_dir: Path, labels: Path, target: LM, draft: LM | None, plots: Path,
+                       filters: Filters = Filters()) -> dict[str, Any]:
+    """The classifier and its stored references on every (filtered) candidate of another labels file."""
+    from pivotspec.store import read_records
+
+    net, config = clf.load(classifier_dir)
+    clf.check_compatible(config, target)
+    if not labels.is_file():
+        raise UsageError(f"labels file {str(labels)!r} does not exist: check the path")
+    if config["type"] == "extended" and draft is None:
+        raise UsageError("this classifier reads draft scalars: pass --draft")
+    records = read_records(labels, repair=False)
+    check_labels_target(records, target, labels)
+    feats = features.extract(target, records, config["layer"], draft if config["type"] == "extended" else None,
+                             cache_key=features.file_hash(labels))
+    mask = filters.mask(feats)
+    if int(mask.sum()) == 0:
+        raise UsageError(f"{labels} has no candidates left after the filters: check the file or the filters")
+    scores = clf.pivot_scores(net, *inputs(config["type"], feats, mask))
+    refs = {name: {"columns": r["columns"], **r["model"]} for name, r in config.get("references", {}).items()}
+    result = {**metrics.report(scores, feats["labels"][mask]),
+              "at_sigma": metrics.at_threshold(scores, feats["labels"][mask], config["sigma"]),
+              "references": {k: v["auroc"] for k, v in reference_reports(refs, feats, mask).items()}}
+    metrics.plot_curves(scores, feats["labels"][mask], plots, title=labels.stem)
+    return {**result, "plots": str(plots)}
