@@ -13,8 +13,8 @@ knob. Prints and stores (benchmarks/results/pad_vs_sd.json, benchmarks/results/p
 - the step-cost table (where a step's time goes, and the speedup ceiling if every draft were kept).
 Rows are appended to benchmarks/results/pad_vs_sd/results.jsonl as they come: rerun the same command to
 resume. `--summarize` decodes nothing and summarises the problems every method has finished. While the
-file named by --pause-file exists, the run waits between problems (untimed), so that a short job can
-have the CPU without distorting any timed decode.
+file named by --pause-file exists, the run waits between problems (untimed; it creates NAME.paused while it
+waits), so that a short job can have the CPU without distorting any timed decode.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ import os
 import time
 from pathlib import Path
 
+from pivotspec import api
 from pivotspec.acceptance import Lossless
 from pivotspec.baselines import label as baseline_label
 from pivotspec.baselines import make_baseline
-from pivotspec.cli import build_parser, load_models, make_policy
-from pivotspec.evaluation import MethodSpec, evaluate, fmt, paired_cell, summarize
+from pivotspec.evaluation import EvalSettings, MethodSpec, evaluate, summarize
+from pivotspec.policies import make_policy
+from pivotspec.reports import fmt, paired_cell
 from pivotspec.store import read_records
 from pivotspec.tasks import get_task
 from pivotspec.testbed.artifacts import shipped_classifier
@@ -45,9 +47,8 @@ SWEEPS = {
 RULE_OF = {"pad": "pad", **{name: name for name in SWEEPS}}
 
 
-def method_specs(ns: argparse.Namespace, target, gammas: list[int], main_gamma: int,
-                 sigmas: list[float]) -> tuple[list[MethodSpec], str]:
-    calibrated = make_policy(ns, "pad", target)
+def method_specs(target, gammas: list[int], main_gamma: int, sigmas: list[float]) -> tuple[list[MethodSpec], str]:
+    calibrated = make_policy("pad", target, pair="testbed")
     main_pad = f"pad@{calibrated.sigma:.4g} g={main_gamma}"
     specs = [MethodSpec("ar", "ar"), MethodSpec("draft", "draft")]
     for g in gammas:
@@ -55,8 +56,8 @@ def method_specs(ns: argparse.Namespace, target, gammas: list[int], main_gamma: 
                   MethodSpec(f"pad@{calibrated.sigma:.4g} g={g}", "pad", calibrated, g)]
     for sigma in sigmas:
         if abs(sigma - calibrated.sigma) > 1e-9:
-            specs.append(MethodSpec(f"pad@{sigma:g} g={main_gamma}", "pad", make_policy(ns, "pad", target, sigma),
-                                    main_gamma))
+            specs.append(MethodSpec(f"pad@{sigma:g} g={main_gamma}", "pad",
+                                    make_policy("pad", target, sigma=sigma, pair="testbed"), main_gamma))
     for rule_specs in SWEEPS.values():
         for spec in rule_specs:
             policy = make_baseline(spec)
@@ -188,20 +189,25 @@ def main() -> None:
     if clf is None:
         raise SystemExit("pad_vs_sd: no shipped testbed classifier; train one first (see README)")
     out = args.results / "pad_vs_sd"
-    ns = build_parser().parse_args(["eval", "--pair", "testbed", "--methods", "pad", "--classifier", str(clf),
-                                    "--n", str(args.n), "--out", str(out), "--threads", str(args.threads)])
-    target, draft = load_models(ns, needs_draft=True)
+    settings = EvalSettings(task="arith", n=args.n, classifier=str(clf), out=out)
+    pair = api.load_pair(pair="testbed", threads=args.threads)
+    target, draft = pair.target, pair.draft
     gammas = [int(g) for g in args.gammas.split(",")]
-    specs, main_pad = method_specs(ns, target, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")])
+    specs, main_pad = method_specs(target, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")])
     labels = [s.label for s in specs]
     task = get_task("arith")
 
+    paused = args.pause_file.with_suffix(".paused")
+
     def wait_while_paused(done: int, total: int) -> None:
-        while args.pause_file.exists():
-            time.sleep(2)
+        if args.pause_file.exists():
+            paused.touch()  # tells whoever paused us that no timed decode is running now
+            while args.pause_file.exists():
+                time.sleep(1)
+            paused.unlink(missing_ok=True)
 
     if not args.summarize:
-        evaluate(ns, task, task.problems("test", args.n, 0), specs, target, draft, between=wait_while_paused)
+        evaluate(settings, task, task.problems("test", args.n, 0), specs, target, draft, between=wait_while_paused)
     rows = complete_rows(out / "results.jsonl", labels)
     if not rows:
         raise SystemExit(f"pad_vs_sd: no problem in {out} has rows for every method yet")

@@ -75,12 +75,21 @@ def fake_labels(path, n_problems=15, seed=0):
     return path
 
 
+def trained_classifier(tiny_dir, tmp_path):
+    """A classifier directory for the tiny llama target, trained on ``fake_labels``."""
+    from pivotspec.models import load_lm
+
+    labels = fake_labels(tmp_path / "labels.jsonl")
+    train_from_labels(labels, load_lm(str(tiny_dir["llama_target"])), tmp_path / "clf", "extended_v2", layer=2,
+                      epochs=200)
+    return tmp_path / "clf"
+
+
 @pytest.fixture
 def trained(tiny_dir, load, tmp_path):
-    target = load(tiny_dir["llama_target"])
-    labels = fake_labels(tmp_path / "labels.jsonl")
-    config = train_from_labels(labels, target, tmp_path / "clf", "extended_v2", layer=2, epochs=200)
-    return target, labels, tmp_path / "clf", config
+    out = trained_classifier(tiny_dir, tmp_path)
+    config = json.loads((out / "classifier.json").read_text())
+    return load(tiny_dir["llama_target"]), tmp_path / "labels.jsonl", out, config
 
 
 def test_save_load_round_trip_and_plots(trained):

@@ -53,6 +53,14 @@ def error_cases(tiny_dir, other, tmp_path):
     t, d = str(tiny_dir["llama_target"]), str(tiny_dir["llama_draft"])
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"prompt": "w1"}\nthis is not json\n')
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    bad_messages = tmp_path / "messages.jsonl"
+    bad_messages.write_text('{"messages": [{"role": "user"}]}\n')
+    empty_gguf = tmp_path / "empty.gguf"
+    empty_gguf.write_bytes(b"")
+    garbage_gguf = tmp_path / "garbage.gguf"
+    garbage_gguf.write_bytes(b"GGUF" + bytes(range(256)) * 8)
     base = ["generate", "--target", t, "--prompt", "w1"]
     return {
         "missing model path": (["generate", "--target", str(tmp_path / "nope"), "--prompt", "x"], "not found"),
@@ -70,6 +78,27 @@ def error_cases(tiny_dir, other, tmp_path):
         "unknown flag": ([*base, "--gamm", "3"], "unrecognized arguments"),
         "sigma out of range": ([*base, "--draft", d, "--method", "pad", "--classifier", "const:0.1", "--sigma", "2"],
                                "sigma must be in [0, 1]"),
+        # found by the hardening probe (issue 15)
+        "empty stop string": ([*base, "--stop", ""], "--stop needs a non-empty string"),
+        "temperature nan": ([*base, "--temperature", "nan"], "must be finite"),
+        "temperature inf": ([*base, "--temperature", "inf"], "must be finite"),
+        "empty prompt": (["generate", "--target", t, "--prompt", ""], "the prompt is empty"),
+        "lone surrogate": (["generate", "--target", t, "--prompt", "w1 \ud800"], "not valid Unicode"),
+        "undecodable bytes": (["generate", "--target", t, "--prompt", "w1 \udcff"], "not valid Unicode"),
+        "prompt beyond positions": ([*base, "--max-new-tokens", "600"], "exceeds the 512 positions"),
+        "prompts not utf-8": (["generate", "--target", t, "--prompts-file", str(latin1)], "not UTF-8"),
+        "prompts file is a directory": (["generate", "--target", t, "--prompts-file", str(tmp_path)], "is a directory"),
+        "messages wrong shape": (["generate", "--target", t, "--prompts-file", str(bad_messages)],
+                                 "messages must be a non-empty list"),
+        "threads -1": ([*base, "--threads", "-1"], "--threads must be >= 1"),
+        "sigmas not numbers": (["eval", "--target", t, "--draft", d, "--methods", "pad", "--classifier", "const:0.1",
+                                "--sigmas", "0.3,abc"], "--sigmas must be comma-separated numbers"),
+        "eval out is a file": (["eval", "--target", t, "--out", str(bad_jsonl)], "is a file"),
+        "eval out not creatable": (["eval", "--target", t, "--out", "/proc/pivotspec-out"], "cannot create"),
+        "bad chat template kwargs": ([*base, "--chat-template-kwargs", "[1]"], "must be a JSON object"),
+        "empty gguf": (["generate", "--target", str(empty_gguf), "--prompt", "x"], "not a readable GGUF"),
+        "garbage gguf": (["generate", "--target", str(garbage_gguf), "--prompt", "x"], "not a readable GGUF"),
+        "labels alone": (["labels"], "stats"),
     }
 
 
@@ -80,3 +109,54 @@ def test_bad_input_gives_one_line_and_exit_2(tiny_dir, other_tokenizer_model, tm
         assert len(err.strip().splitlines()) == 1, (name, err)
         assert expected in err, (name, err)
         assert "Traceback" not in err
+
+
+def test_help_shows_defaults_splits_and_version(capsys):
+    for argv, expected in ((["generate", "--help"], ["(default: 128)", "(default: 5)"]),
+                           (["eval", "--help"], ["(default: 200)", "train, validation or test", "humaneval"]),
+                           (["demo", "--help"], ["earlier demo", "--overwrite"]),
+                           (["label", "--help"], ["(default: 20)", "train, validation or test"])):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = " ".join(capsys.readouterr().out.split())
+        for text in expected:
+            assert text in out, (argv, text)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("pivotspec ")
+
+
+def test_no_import_circles_and_no_library_module_imports_the_cli():
+    """Each module's imports (top level and inside functions) form no cycle, and only entry points import cli."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "src" / "pivotspec"
+    graph = {}
+    for f in root.rglob("*.py"):
+        mod = "pivotspec." + ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pivotspec"):
+                deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("pivotspec"))
+        graph[mod] = deps - {mod}
+    entry_points = {"pivotspec.cli", "pivotspec.classifier_cli"}
+    assert not [m for m, deps in graph.items() if "pivotspec.cli" in deps and m not in entry_points]
+    library = {m: {d for d in deps if d in graph and d != "pivotspec"} for m, deps in graph.items() if m != "pivotspec"}
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in library.get(node, ()):
+                if nxt == start:
+                    return path
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    cycles = {m: cycle_from(m) for m in library if cycle_from(m)}
+    assert not cycles, cycles

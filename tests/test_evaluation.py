@@ -113,8 +113,6 @@ def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):
 
 
 def test_resuming_refuses_a_retrained_classifier(tmp_path):
-    import argparse
-
     from pivotspec.acceptance import PAD, constant_classifier
     from pivotspec.evaluation import MethodSpec, classifier_fingerprint
 
@@ -122,7 +120,7 @@ def test_resuming_refuses_a_retrained_classifier(tmp_path):
     clf.mkdir()
     (clf / "classifier.safetensors").write_bytes(b"weights v1")
     (clf / "classifier.json").write_text("{}")
-    args = argparse.Namespace(classifier=str(clf))
+    args = str(clf)
     specs = [MethodSpec("pad@0.5", "pad", PAD(constant_classifier(0.0), 0.5))]
     before = classifier_fingerprint(args, specs)
     (clf / "eval-plots").mkdir()  # a subdirectory (and plots) beside the classifier change nothing

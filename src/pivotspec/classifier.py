@@ -167,9 +167,16 @@ def load(path: Path) -> tuple[PivotNet, dict[str, Any]]:
         raise UsageError(f"{path} is not a pivot classifier directory ({CONFIG} + {WEIGHTS}): check --classifier")
     try:
         config = json.loads((path / CONFIG).read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"{CONFIG} is not a JSON object")
+        missing = [k for k in ("type", "d_model", "layer", "sigma", "target") if k not in config]
+        if missing:
+            raise ValueError(f"{CONFIG} lacks {', '.join(missing)}")
         net = PivotNet(config["type"], config["d_model"])
         net.load_state_dict(load_file(str(path / WEIGHTS)))
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except UsageError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for empty or garbage files
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"{path} holds a damaged classifier ({first}): train it again") from None
     net.eval()

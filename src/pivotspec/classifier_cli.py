@@ -42,11 +42,13 @@ def _filters(args: argparse.Namespace) -> Filters:
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> None:
-    from pivotspec.cli import load_models
+    from pivotspec.api import load_pair
     from pivotspec.store import check_output_dir
 
     check_output_dir(args.out, args.overwrite, clf.CONFIG)
-    target, draft = load_models(args, needs_draft=args.type == "extended" or args.compare_types)
+    pair = load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
+                     needs_draft=args.type == "extended" or args.compare_types)
+    target, draft = pair.target, pair.draft
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

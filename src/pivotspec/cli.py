@@ -1,4 +1,7 @@
-"""``pivotspec`` command line. Bad input ends with one line on stderr and exit code 2."""
+"""``pivotspec`` command line: argument parsing and printing over the Python API (``pivotspec.api``).
+
+Bad input ends with one line on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +10,42 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pivotspec import api
 from pivotspec.errors import UsageError
 
-if TYPE_CHECKING:
-    from pivotspec.decoding import Generation
-    from pivotspec.models import LM
+SPLITS = "train, validation or test (arith); test (humaneval, gsm8k, mbpp, jsonl: the file's rows)"
+TASK_NAMES = "arith, humaneval, gsm8k, mbpp or jsonl"
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default (flags whose default is None or False show none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)  # a typo must not silently match a longer flag
+        kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # one line, not usage + message
         raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise UsageError(f"--chat-template-kwargs must be a JSON object, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,30 +53,43 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", help="target model: registered name, HF directory, .gguf file or cached hub id")
     g.add_argument("--draft", help="draft model sharing the target's tokenizer")
     g.add_argument("--pair", choices=["testbed"], help="shorthand for a registered target/draft pair")
-    g.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-def add_decoding_args(p: argparse.ArgumentParser) -> None:
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' for Qwen3')
+
+
+def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--gamma", type=int, default=5, help="draft tokens per step (default 5)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--gamma", type=int, default=5, help="draft tokens per step")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="token budget per completion")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and problem order for eval)")
     g.add_argument("--classifier", help="pivot classifier for --method pad: a directory from train-classifier, "
                    "or const:SCORE (a constant score, for ablations); with --pair testbed the shipped one by default")
     g.add_argument("--sigma", type=float, default=None,
                    help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
                    "0.5 for const:)")
     g.add_argument("--tau", type=float, default=1e-4, help="PAD: overrides need target prob >= tau")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
+    add_chat_args(p)
+
+
+def _version() -> str:
+    import pivotspec
+
+    return pivotspec.__version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pivotspec", description="Pivot-aware speculative decoding (PAD) on Hugging Face causal LMs.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"pivotspec {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="decode prompts with ar, draft, sd or pad")
     add_model_args(gen)
@@ -67,43 +103,66 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, token_ids, stats, trace")
     gen.set_defaults(func=cmd_generate)
 
-    from pivotspec.evaluation import add_eval_parser
-    add_eval_parser(sub)
+    ev = sub.add_parser("eval", help="run methods side by side on a task")
+    add_model_args(ev)
+    add_decoding_args(ev, max_new_tokens=200)
+    ev.add_argument("--task", default="arith", help=TASK_NAMES)
+    ev.add_argument("--data", help="local data file for gsm8k, mbpp and jsonl (JSONL or parquet)")
+    ev.add_argument("--split", default="test", help=SPLITS)
+    ev.add_argument("--n", type=int, default=20, help="number of problems")
+    ev.add_argument("--methods", default="ar,sd", help="comma list of ar, draft, sd, pad")
+    ev.add_argument("--sigmas", help="PAD: one run per sigma, e.g. 0.3,0.5,0.7 (default: the calibrated sigma)")
+    ev.add_argument("--baselines", help="relaxed rules at default knobs: typical,topk,threshold,ensemble,divergence")
+    ev.add_argument("--baseline", action="append", default=[],
+                    help="one relaxed rule with knobs, e.g. topk:k=3,ratio=0.2 (repeatable; default: none)")
+    ev.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
+    ev.add_argument("--out", type=Path, help="write results.jsonl, summary.json/md, pareto.png, report.html here; "
+                    "rerunning the same command resumes")
+    ev.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=cmd_eval)
 
     lab = sub.add_parser("label", help="label pivot tokens by Monte-Carlo rollouts of the target (resumable)")
     add_model_args(lab)
-    lab.add_argument("--task", default="arith")
-    lab.add_argument("--split", default="train")
-    lab.add_argument("--n-problems", type=int, default=50)
-    lab.add_argument("--rollouts", type=int, default=20, help="N rollouts after d and N after t (default 20)")
-    lab.add_argument("--temperature", type=float, default=0.7)
-    lab.add_argument("--top-p", type=float, default=1.0)
-    lab.add_argument("--max-rollout-tokens", type=int, default=160)
-    lab.add_argument("--max-walk-tokens", type=int, default=200)
+    lab.add_argument("--task", default="arith", help=TASK_NAMES)
+    lab.add_argument("--split", default="train", help=SPLITS)
+    lab.add_argument("--n-problems", type=int, default=50, help="problems to walk")
+    lab.add_argument("--rollouts", type=int, default=20, help="N rollouts after d and N after t")
+    lab.add_argument("--temperature", type=float, default=0.7, help="rollout temperature")
+    lab.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus mass")
+    lab.add_argument("--max-rollout-tokens", type=int, default=160, help="length cap of each rollout")
+    lab.add_argument("--max-walk-tokens", type=int, default=200, help="length cap of the walked trajectory")
     lab.add_argument("--mode", choices=["mul", "add", "abs"], default="mul",
                      help="mul: U_acc < alpha*U_rej; add: U_acc + alpha < U_rej; abs: U_acc < alpha")
-    lab.add_argument("--alpha", type=float, default=0.5)
+    lab.add_argument("--alpha", type=float, default=0.5, help="threshold of --mode")
     lab.add_argument("--follow", choices=["label", "target"], default="label",
                      help="continue the walk with d when non-pivot (label) or always with t (target)")
     lab.add_argument("--min-target-rate", type=float, default=0.3,
                      help="skip problems the target solves at <= this rate from the prompt (-1: no screening)")
     lab.add_argument("--judge", help="local HF causal LM that may flip non-pivots to pivots (off by default)")
-    lab.add_argument("--out", type=Path, required=True)
+    lab.add_argument("--out", type=Path, required=True, help="labels JSONL (appended; reruns resume)")
     lab.add_argument("--overwrite", action="store_true", help="start the file over instead of resuming")
-    lab.add_argument("--seed", type=int, default=0)
+    lab.add_argument("--seed", type=int, default=0, help="problem order and rollout seed")
+    add_chat_args(lab)
     lab.set_defaults(func=cmd_label)
 
-    demo = sub.add_parser("demo", help="the embedded testbed: ar, sd and pad side by side with a report")
-    demo.add_argument("--n", type=int, default=20, help="arith test problems (default 20)")
+    demo = sub.add_parser("demo", help="the embedded testbed: ar, sd and pad side by side with a report",
+                          description="Decode arith test problems with ar, sd and pad (the shipped classifier) on the "
+                          "embedded testbed and write a report to --out. An --out that holds anything but an "
+                          "earlier demo is refused unless --overwrite; an earlier demo there is replaced.")
+    demo.add_argument("--n", type=int, default=20, help="arith test problems")
     demo.add_argument("--out", type=Path, default=Path("pivotspec-demo"), help="report directory")
-    demo.add_argument("--threads", type=int, default=None)
+    demo.add_argument("--overwrite", action="store_true", help="replace whatever --out holds")
+    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_chat_args(demo)
     demo.set_defaults(func=cmd_demo)
 
     from pivotspec.classifier_cli import add_parsers as add_classifier_parsers
     add_classifier_parsers(sub, add_model_args)
 
     labels = sub.add_parser("labels", help="inspect a labels file")
-    labels_sub = labels.add_subparsers(dest="labels_command", required=True, parser_class=_Parser)
+    labels_sub = labels.add_subparsers(dest="labels_command", required=True, parser_class=_Parser,
+                                       metavar="{stats}", title="subcommands")
     st = labels_sub.add_parser("stats", help="counts, pivot share, U distributions, candidates per problem")
     st.add_argument("file", type=Path)
     st.add_argument("--json", action="store_true")
@@ -111,69 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def validate_decoding(args: argparse.Namespace) -> None:
-    if args.gamma < 1:
-        raise UsageError(f"--gamma must be >= 1, got {args.gamma}")
-    if args.max_new_tokens < 1:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from pivotspec.sampling import SamplingConfig
-
-    SamplingConfig(args.temperature, args.top_k, args.top_p)  # raises UsageError on bad values
-
-
-def resolve_pair(args: argparse.Namespace, needs_draft: bool) -> tuple[str, str | None]:
-    target, draft = args.target, args.draft
-    if args.pair == "testbed":
-        target, draft = target or "testbed-target", draft or "testbed-draft"
-    if not target:
-        raise UsageError("no target model: pass --target MODEL or --pair testbed")
-    if needs_draft and not draft:
-        raise UsageError("this method needs a draft model: pass --draft MODEL or --pair testbed")
-    return target, draft
-
-
-def load_models(args: argparse.Namespace, needs_draft: bool) -> tuple[LM, LM | None]:
-    """Load target (and draft) once; the draft must share the target's tokenizer."""
-    from pivotspec.models import check_same_tokenizer, load_lm
-
-    target_name, draft_name = resolve_pair(args, needs_draft)
-    target = load_lm(target_name, args.dtype, args.threads)
-    draft = load_lm(draft_name, args.dtype, args.threads) if draft_name else None
-    if draft is not None:
-        check_same_tokenizer(target, draft)
-    return target, draft
-
-
-def make_policy(args: argparse.Namespace, method: str, target: LM | None = None,
-                sigma: float | None = None) -> Any:
-    """The acceptance policy for ``method``; a trained classifier is checked against ``target``."""
-    from pivotspec.acceptance import PAD, Lossless, constant_classifier
-
-    if method != "pad":
-        return Lossless()
-    sigma = sigma if sigma is not None else args.sigma
-    if not args.classifier and getattr(args, "pair", None) == "testbed":
-        from pivotspec.testbed.artifacts import shipped_classifier
-
-        args.classifier = str(shipped_classifier() or "") or None
-    if not args.classifier:
-        raise UsageError("--method pad needs a pivot classifier: pass --classifier DIR (or const:SCORE)")
-    if args.classifier.startswith("const:"):
-        try:
-            score = float(args.classifier.split(":", 1)[1])
-        except ValueError:
-            raise UsageError(f"bad classifier {args.classifier!r}: write const:SCORE with SCORE in [0, 1]") from None
-        return PAD(constant_classifier(score), sigma=0.5 if sigma is None else sigma, tau=args.tau)
-    from pivotspec.classifier import load_for_target
-
-    if target is None:
-        from pivotspec.classifier import load
-
-        load(Path(args.classifier))  # validates the directory before any model is loaded
-        return None
-    classify, config = load_for_target(Path(args.classifier), target)
-    return PAD(classify, sigma=config["sigma"] if sigma is None else sigma, tau=args.tau,
-               hidden_layer=config["layer"])
+def load_pair(args: argparse.Namespace, needs_draft: bool) -> api.Pair:
+    return api.load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
+                         needs_draft=needs_draft)
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
@@ -183,10 +182,12 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
     for n, obj in enumerate(prompts, 1):
         if not ({"prompt", "messages"} & obj.keys()):
             raise UsageError(f'{path}: record {n} needs a "prompt" or "messages" key')
+        if "prompt" in obj and not isinstance(obj["prompt"], str):
+            raise UsageError(f'{path}: record {n}: "prompt" must be a string')
     return prompts
 
 
-def generation_json(gen: Generation, tokenizer: Any) -> dict[str, Any]:
+def generation_json(gen: Any, tokenizer: Any) -> dict[str, Any]:
     return {
         "text": gen.text,
         "token_ids": gen.token_ids,
@@ -195,25 +196,26 @@ def generation_json(gen: Generation, tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    from pivotspec.decoding import decode
-    from pivotspec.models import eos_ids
-    from pivotspec.sampling import SamplingConfig
-    from pivotspec.tasks import encode_prompt
+def _policy_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {"classifier": args.classifier, "sigma": args.sigma, "tau": args.tau}
 
-    validate_decoding(args)
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pivotspec.policies import make_policy
+
+    api.check_decoding(args.gamma, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop)
     method = args.method or ("sd" if (args.draft or args.pair) else "ar")
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [{"prompt": args.prompt}]
-    make_policy(args, method)  # argument errors before the (slow) model loading
-    target, draft = load_models(args, needs_draft=method != "ar")
-    policy = make_policy(args, method, target)
-    cfg = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    make_policy(method, None, pair=args.pair, **_policy_args(args))  # argument errors before models load
+    pair = load_pair(args, needs_draft=method != "ar")
+    policy = make_policy(method, pair.target, pair=args.pair, **_policy_args(args))
     for item in prompts:
-        ids = encode_prompt(target.tokenizer, item.get("prompt"), item.get("messages"), chat=args.chat)
-        gen = decode(method, target, draft, ids, policy, cfg=cfg, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                     eos_ids=eos_ids(target), stop_strings=args.stop, seed=args.seed)
+        gen = api.generate(pair, item.get("prompt"), messages=item.get("messages"), method=method, policy=policy,
+                           gamma=args.gamma, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
+                           chat_template_kwargs=args.chat_template_kwargs)
         if args.json:
-            print(json.dumps(generation_json(gen, target.tokenizer)), flush=True)
+            print(json.dumps(generation_json(gen, pair.target.tokenizer)), flush=True)
         else:
             s = gen.stats
             print(gen.text, flush=True)
@@ -222,45 +224,108 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
 
 
+def _eval_settings(args: argparse.Namespace) -> Any:
+    from pivotspec.evaluation import EvalSettings
+
+    return EvalSettings(task=args.task, data=args.data, split=args.split, n=args.n, seed=args.seed, gamma=args.gamma,
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
+                        chat_template_kwargs=args.chat_template_kwargs, stop=args.stop, classifier=args.classifier,
+                        out=args.out, overwrite=args.overwrite)
+
+
+def _check_eval_out(out: Path | None) -> None:
+    """An --out that cannot hold results is reported before the models load, not after."""
+    if out is None:
+        return
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file: give a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create --out {out} ({exc.strerror}): choose a writable directory") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out} is not writable: choose a writable directory")
+
+
+def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    from pivotspec.evaluation import method_specs
+    from pivotspec.policies import parse_floats
+    from pivotspec.tasks import get_task
+
+    settings = _eval_settings(args)
+    api.check_decoding(args.gamma, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop)
+    if args.n < 1:
+        raise UsageError(f"--n must be >= 1, got {args.n}")
+    get_task(args.task, args.data)  # task and data errors before the (slow) model loading
+    sigmas = parse_floats(args.sigmas, "--sigmas") if args.sigmas else None
+    baselines = [b for b in (args.baselines or "").split(",") if b] + list(args.baseline)
+    kwargs = {"sigmas": sigmas, "baselines": baselines, "pair": args.pair, **_policy_args(args)}
+    specs = method_specs(args.methods, None, **kwargs)
+    _check_eval_out(args.out)
+    pair = load_pair(args, needs_draft=any(s.method != "ar" for s in specs))
+    specs = method_specs(args.methods, pair.target, **kwargs)
+    return api.evaluate(pair, settings, specs=specs)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from pivotspec.reports import format_table
+
+    summary = run_eval_command(args)
+    if args.json:
+        print(json.dumps({"methods": summary}))
+    else:
+        print(format_table(summary))
+        if args.out:
+            print(f"report: {args.out / 'report.html'}")
+
+
+DEMO_MARK = ".pivotspec-demo"
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     """eval --pair testbed on arith test problems, with the shipped classifier when there is one."""
-    from pivotspec.evaluation import evaluate, format_table, parse_specs
-    from pivotspec.tasks import get_task
-    from pivotspec.testbed.artifacts import shipped_classifier
+    from pivotspec.policies import default_classifier
+    from pivotspec.reports import format_table
 
-    clf_dir = shipped_classifier()
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file: give a directory")
+    earlier_demo = (out / DEMO_MARK).is_file()
+    if out.is_dir() and any(out.iterdir()) and not (earlier_demo or args.overwrite):
+        raise UsageError(f"{out} holds files that are not an earlier demo: pass --overwrite to replace them, or "
+                         "choose another --out")
+    clf_dir = default_classifier("testbed")
     methods = "ar,sd,pad" if clf_dir else "ar,sd"
     ns = build_parser().parse_args(["eval", "--pair", "testbed", "--methods", methods, "--n", str(args.n),
-                                    "--out", str(args.out), "--overwrite"]
-                                   + (["--classifier", str(clf_dir)] if clf_dir else [])
+                                    "--out", str(out), "--overwrite"]
                                    + (["--threads", str(args.threads)] if args.threads else []))
+    ns.chat_template_kwargs = args.chat_template_kwargs
     if not clf_dir:
         print("pivotspec: note: no pivot classifier is shipped yet, so the demo runs ar and sd only",
               file=sys.stderr)
-    task = get_task("arith")
-    target, draft = load_models(ns, needs_draft=True)
-    summary = evaluate(ns, task, task.problems("test", args.n, 0), parse_specs(ns, target), target, draft)
+    _check_eval_out(out)
+    (out / DEMO_MARK).write_text("written by `pivotspec demo`; a later demo may replace this directory\n")
+    summary = run_eval_command(ns)
     print(format_table(summary))
-    print(f"report: {(args.out / 'report.html').resolve()}")
+    print(f"report: {(out / 'report.html').resolve()}")
 
 
 def cmd_label(args: argparse.Namespace) -> None:
-    from pivotspec.labeling import LabelConfig, label_stats, run_labeling
-    from pivotspec.models import load_lm
+    from pivotspec.labeling import LabelConfig, label_stats
     from pivotspec.tasks import get_task
 
-    cfg = LabelConfig(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
-                      max_rollout_tokens=args.max_rollout_tokens, mode=args.mode, alpha=args.alpha,
-                      follow=args.follow, min_target_rate=args.min_target_rate,
-                      max_walk_tokens=args.max_walk_tokens, seed=args.seed)
+    config = dict(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
+                  max_rollout_tokens=args.max_rollout_tokens, mode=args.mode, alpha=args.alpha, follow=args.follow,
+                  min_target_rate=args.min_target_rate, max_walk_tokens=args.max_walk_tokens, seed=args.seed)
+    LabelConfig(**config)  # argument errors before the (slow) model loading
     if args.n_problems < 1:
         raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
-    task = get_task(args.task)
-    problems = task.problems(args.split, args.n_problems, args.seed)
-    target, draft = load_models(args, needs_draft=True)
-    judge = load_lm(args.judge, args.dtype) if args.judge else None
-    records = run_labeling(target, draft, task, problems, cfg, args.out, overwrite=args.overwrite, judge=judge,
-                           split=args.split)
+    get_task(args.task)
+    pair = load_pair(args, needs_draft=True)
+    records = api.label(pair, args.out, task=args.task, split=args.split, n_problems=args.n_problems,
+                        overwrite=args.overwrite, judge=args.judge, chat_template_kwargs=args.chat_template_kwargs,
+                        **config)
     s = label_stats(records)
     print(f"{args.out}: {s['candidates']} candidates, {s['pivots']} pivots, "
           f"{s['problems_done']} problems done, {s['problems_skipped']} skipped")

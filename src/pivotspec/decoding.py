@@ -20,6 +20,7 @@ import torch
 
 from pivotspec.acceptance import Lossless, Verification
 from pivotspec.drafting import fit_vocab, propose
+from pivotspec.errors import UsageError
 from pivotspec.models import LM
 from pivotspec.sampling import SamplingConfig, argmax, logits_to_probs, residual, sample
 
@@ -92,7 +93,12 @@ def generate(
     """Decode from ``prompt_ids``. ``draft=None`` is plain decoding with ``target``; otherwise speculative
     decoding with ``policy`` (default: lossless). ``residual_fn`` is injectable for tests only."""
     if not prompt_ids:
-        raise ValueError("prompt must have at least one token")
+        raise UsageError("the prompt is empty (no tokens): give a non-empty prompt")
+    for m in (target, draft):
+        limit = m.max_positions if m is not None else None
+        if limit and len(prompt_ids) + max_new_tokens > limit:
+            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
+                             f"{limit} positions of model {m.name!r}: shorten the prompt or lower --max-new-tokens")
     policy = policy or Lossless()
     cfg = cfg or SamplingConfig()
     generator = torch.Generator().manual_seed(seed)

@@ -9,7 +9,6 @@ rerun of the same command resumes after the rows already there.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -17,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +49,8 @@ def wilson_ci(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
 def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], target: LM | None, draft: LM | None, *,
              chat: bool = True, progress: Callable[[int, int], None] | None = None,
              done: set[tuple[str, str]] | None = None, emit: Callable[[dict], None] | None = None,
-             warmup: bool = True, **decode_kwargs: Any) -> list[dict[str, Any]]:
+             warmup: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+             **decode_kwargs: Any) -> list[dict[str, Any]]:
     """One row per (problem, method): the completion, its score, its stats and its per-token trace.
     Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists. With ``warmup``,
     every method first decodes the first problem still to do once, untimed and unrecorded; the method
@@ -70,10 +70,10 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
     todo = [p for p in problems if not done or any((p.id, s.label) not in done for s in specs)]
     if todo and warmup:  # untimed: the first decode of a process pays for lazy initialisation
         for spec in specs:
-            run(spec, encode_problem(lm.tokenizer, todo[0], chat=chat))
+            run(spec, encode_problem(lm.tokenizer, todo[0], chat, chat_template_kwargs))
     rows = []
     for i, problem in enumerate(problems):
-        ids = encode_problem(lm.tokenizer, problem, chat=chat)
+        ids = encode_problem(lm.tokenizer, problem, chat, chat_template_kwargs)
         shift = i % len(specs)  # rotate the order, so no method always runs first (or right after another)
         for spec in specs[shift:] + specs[:shift]:
             if done and (problem.id, spec.label) in done:
@@ -159,48 +159,22 @@ def summarize(rows: list[dict[str, Any]], baseline: str = "ar",
     return out
 
 
-def fmt(x: Any, spec: str, suffix: str = "") -> str:
-    """A table cell: ``x`` formatted, or "-" when there is no value."""
-    return "-" if x is None else format(x, spec) + suffix
-
-
-def paired_cell(p: dict[str, Any] | None) -> str:
-    """'-0.020 (p 0.25)': accuracy difference and exact McNemar p-value, or '-'."""
-    return "-" if not p else f"{p['diff']:+.3f} (p {p['p_mcnemar']:.2g})"
-
-
-def format_table(summary: dict[str, dict[str, Any]]) -> str:
-    lines = ["| method | accuracy | 95% CI | vs ar (McNemar) | vs sd (McNemar) | eta | tau | target fwd/token | "
-             "ms/token | speedup | speedup IQR |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for label, s in summary.items():
-        lo, hi = s["ci95"]
-        iqr = "-" if not s["speedup_iqr"] else f"{s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}"
-        paired = s.get("paired", {})
-        lines.append(f"| {label} | {s['accuracy']:.3f} | [{lo:.3f}, {hi:.3f}] | {paired_cell(paired.get('ar'))} | "
-                     f"{paired_cell(paired.get('sd'))} | {fmt(s['eta'], '.3f')} | "
-                     f"{fmt(s['tau'], '.2f')} | {fmt(s['target_forwards_per_token'], '.3f')} | "
-                     f"{fmt(s['ms_per_token'], '.1f')} | {fmt(s['speedup'], '.2f', 'x')} | {iqr} |")
-    return "\n".join(lines)
-
-
-def parse_specs(args: argparse.Namespace, target: LM | None = None) -> list[MethodSpec]:
-    """ar/draft/sd as named; one pad per --sigmas value; one policy per baseline spec."""
+def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] | None = None,
+                 baselines: list[str] = (), classifier: str | None = None, sigma: float | None = None,
+                 tau: float = 1e-4, pair: str | None = None) -> list[MethodSpec]:
+    """ar/draft/sd as named; one pad per sigma (default: the classifier's calibrated one); one policy per
+    baseline spec. With ``target=None`` only the arguments are checked (policies are None)."""
     from pivotspec.baselines import label as baseline_label
     from pivotspec.baselines import make_baseline
-    from pivotspec.cli import make_policy
-    from pivotspec.decoding import METHODS
+    from pivotspec.policies import make_policy
 
     specs = []
-    sigmas = [float(x) for x in args.sigmas.split(",")] if getattr(args, "sigmas", None) else [None]
-    for m in [m.strip() for m in args.methods.split(",") if m.strip()]:
-        if m not in METHODS:
-            raise UsageError(f"unknown method {m!r} in --methods: choose from {', '.join(METHODS)}")
-        for sigma in sigmas if m == "pad" else [None]:
-            policy = make_policy(args, m, target, sigma)
+    for m in [m.strip() for m in methods.split(",") if m.strip()]:
+        for sig in (sigmas or [sigma]) if m == "pad" else [None]:
+            policy = make_policy(m, target, classifier=classifier, sigma=sig, tau=tau, pair=pair)
             label = f"pad@{policy.sigma:g}" if m == "pad" and policy is not None else m
             specs.append(MethodSpec(label, m, policy))
-    names = [b for b in (getattr(args, "baselines", None) or "").split(",") if b]
-    for spec in names + list(getattr(args, "baseline", None) or []):
+    for spec in baselines:
         policy = make_baseline(spec)
         specs.append(MethodSpec(baseline_label(policy), "pad", policy))
     if not specs:
@@ -208,9 +182,16 @@ def parse_specs(args: argparse.Namespace, target: LM | None = None) -> list[Meth
     return specs
 
 
+def run_hash(config: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def open_run(out: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
     """Check ``out`` (whose results.jsonl the caller holds open and locked) against ``config`` and record
-    it; returns the rows of an earlier run of the same configuration."""
+    it; returns the rows of an earlier run of the same configuration. Each row carries the hash of its run's
+    configuration, so rows of another run are refused even when run.json is gone."""
     from pivotspec.store import read_records
 
     run_file, results = out / "run.json", out / "results.jsonl"
@@ -220,42 +201,23 @@ def open_run(out: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
             diff = sorted(k for k in set(earlier) | set(config) if earlier.get(k) != config.get(k))
             raise UsageError(
                 f"{out} holds a run with a different {', '.join(diff)}: pass --overwrite or another --out")
+    rows = read_records(results)
+    mine = run_hash(config)
+    legacy_ok = run_file.is_file()  # rows written before rows carried a hash: run.json vouches for them
+    if any(r.get("run", None if legacy_ok else "?") not in (None, mine) for r in rows):
+        raise UsageError(f"{results} holds rows of another run (another model, task or setting): pass "
+                         "--overwrite or use another --out")
     run_file.write_text(json.dumps(config, indent=1))
-    return read_records(results)
+    return rows
 
 
-def cmd_eval(args: argparse.Namespace) -> None:
-    from pivotspec.cli import load_models, validate_decoding
-    from pivotspec.tasks import get_task
-
-    validate_decoding(args)
-    if args.n < 1:
-        raise UsageError(f"--n must be >= 1, got {args.n}")
-    task = get_task(args.task, args.data)
-    specs = parse_specs(args)  # argument errors before the (slow) model loading
-    needs_draft = any(s.method != "ar" for s in specs)
-    target, draft = load_models(args, needs_draft)
-    specs = parse_specs(args, target)
-    if all(s.method == "draft" for s in specs):
-        target = None
-    problems = task.problems(args.split, args.n, args.seed)
-    summary = evaluate(args, task, problems, specs, target, draft)
-    if args.json:
-        print(json.dumps({"methods": summary}))
-    else:
-        print(format_table(summary))
-        if args.out:
-            print(f"report: {args.out / 'report.html'}")
-
-
-def classifier_fingerprint(args: argparse.Namespace, specs: list[MethodSpec]) -> str | None:
+def classifier_fingerprint(clf: str | None, specs: list[MethodSpec]) -> str | None:
     """What the PAD runs were scored with, so resuming a run after the classifier was retrained is refused
     instead of mixing rows from two classifiers."""
     import hashlib
 
     from pivotspec.acceptance import PAD
 
-    clf = getattr(args, "classifier", None)
     if not clf or not any(isinstance(s.policy, PAD) for s in specs):
         return None
     if clf.startswith("const:"):
@@ -268,20 +230,45 @@ def classifier_fingerprint(args: argparse.Namespace, specs: list[MethodSpec]) ->
     return f"{clf}#{digest.hexdigest()[:12]}"
 
 
-def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], specs: list[MethodSpec],
+@dataclass
+class EvalSettings:
+    """What an evaluation run decodes with and where it writes (the run's identity, with the methods)."""
+
+    task: str = "arith"
+    data: str | None = None
+    split: str = "test"
+    n: int = 20
+    seed: int = 0
+    gamma: int = 5
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 200
+    chat: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    stop: list[str] = field(default_factory=list)
+    classifier: str | None = None  # for the run's fingerprint (PAD rows are tied to the classifier's files)
+    out: Path | None = None
+    overwrite: bool = False
+
+
+def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs: list[MethodSpec],
              target: LM | None, draft: LM | None,
              between: Callable[[int, int], None] | None = None) -> dict[str, dict[str, Any]]:
-    """Run (or resume) the evaluation; with --out also write results, summaries, plot and report.
+    """Run (or resume) the evaluation; with ``settings.out`` also write results, summaries, plot and report.
     ``between(done, total)`` runs after each problem, outside any timed decode."""
     from pivotspec.sampling import SamplingConfig
     from pivotspec.store import append_record, open_for_append
 
-    config = {"task": args.task, "data": str(args.data) if args.data else None, "split": args.split, "n": args.n,
-              "seed": args.seed, "methods": [s.label for s in specs], "gamma": args.gamma,
-              "method_gammas": [s.gamma for s in specs], "classifier": classifier_fingerprint(args, specs),
-              "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-              "max_new_tokens": args.max_new_tokens, "target": target.name if target else None,
-              "draft": draft.name if draft else None, "chat": not args.no_chat}
+    st = settings
+    config = {"task": st.task, "data": str(st.data) if st.data else None, "split": st.split, "n": st.n,
+              "seed": st.seed, "methods": [s.label for s in specs], "gamma": st.gamma,
+              "method_gammas": [s.gamma for s in specs], "classifier": classifier_fingerprint(st.classifier, specs),
+              "temperature": st.temperature, "top_k": st.top_k, "top_p": st.top_p,
+              "max_new_tokens": st.max_new_tokens, "target": target.name if target else None,
+              "draft": draft.name if draft else None, "chat": st.chat}
+    # Settings added later enter the identity only when used, so earlier runs still resume.
+    config.update({k: v for k, v in (("chat_template_kwargs", st.chat_template_kwargs), ("stop", st.stop)) if v})
     start = time.perf_counter()
 
     def progress(i: int, total: int) -> None:
@@ -291,42 +278,21 @@ def evaluate(args: argparse.Namespace, task: Task, problems: list[Problem], spec
         if between:
             between(i, total)
 
+    tag = run_hash(config)
     with ExitStack() as stack:  # results.jsonl stays locked until every row is written
-        fh = stack.enter_context(open_for_append(args.out / "results.jsonl", args.overwrite)) if args.out else None
-        earlier = open_run(args.out, config) if args.out else []
-        rows = run_eval(task, problems, specs, target, draft, chat=not args.no_chat, progress=progress,
+        fh = stack.enter_context(open_for_append(st.out / "results.jsonl", st.overwrite)) if st.out else None
+        earlier = open_run(st.out, config) if st.out else []
+        rows = run_eval(task, problems, specs, target, draft, chat=st.chat, progress=progress,
                         done={(r["problem_id"], r["method"]) for r in earlier},
-                        emit=(lambda r: append_record(fh, r)) if fh else None,
-                        cfg=SamplingConfig(args.temperature, args.top_k, args.top_p), gamma=args.gamma,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed)
+                        emit=(lambda r: append_record(fh, {**r, "run": tag})) if fh else None,
+                        cfg=SamplingConfig(st.temperature, st.top_k, st.top_p), gamma=st.gamma,
+                        max_new_tokens=st.max_new_tokens, seed=st.seed, stop_strings=st.stop,
+                        chat_template_kwargs=st.chat_template_kwargs)
     wanted = {p.id for p in problems}
     rows = [r for r in earlier if r["problem_id"] in wanted] + rows
     summary = summarize(rows)
-    if args.out:
+    if st.out:
         from pivotspec.reports import write_reports
 
-        write_reports(args.out, rows, summary, problems, config)
+        write_reports(st.out, rows, summary, problems, config)
     return summary
-
-
-def add_eval_parser(sub: Any) -> None:
-    from pivotspec.cli import add_decoding_args, add_model_args
-
-    ev = sub.add_parser("eval", help="run methods side by side on a task")
-    add_model_args(ev)
-    add_decoding_args(ev)
-    ev.add_argument("--task", default="arith", help="arith, humaneval, gsm8k, mbpp or jsonl")
-    ev.add_argument("--data", help="local data file for gsm8k, mbpp and jsonl (JSONL or parquet)")
-    ev.add_argument("--split", default="test")
-    ev.add_argument("--n", type=int, default=20, help="number of problems")
-    ev.add_argument("--methods", default="ar,sd", help="comma list of ar, draft, sd, pad")
-    ev.add_argument("--sigmas", help="PAD: one run per sigma, e.g. 0.3,0.5,0.7 (default: the calibrated sigma)")
-    ev.add_argument("--baselines",
-                    help="relaxed rules at default knobs: typical,topk,threshold,ensemble,divergence")
-    ev.add_argument("--baseline", action="append", help="one relaxed rule with knobs, e.g. topk:k=3,ratio=0.2 "
-                    "(repeatable)")
-    ev.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
-    ev.add_argument("--out", type=Path, help="write results.jsonl, summary.json/md, pareto.png, report.html here")
-    ev.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming")
-    ev.add_argument("--json", action="store_true")
-    ev.set_defaults(func=cmd_eval, max_new_tokens=200)

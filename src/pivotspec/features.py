@@ -9,29 +9,32 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import torch
 
 from pivotspec.drafting import fit_vocab
 from pivotspec.errors import UsageError
-from pivotspec.models import LM, cache_dir
+from pivotspec.models import LM, cache_dir, file_digest
 
 # Bumped whenever what a feature means changes, so no cached file of an older meaning is read back.
 # 2: the hidden state at d's own row (1 read the row that predicts d).
 FEATURES_VERSION = 2
+CANDIDATE_KEYS = ("problem_id", "step", "prefix_ids", "d", "label", "u_acc", "u_rej")
 
 
-def file_hash(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+file_hash = file_digest  # labels files are keyed by content, like GGUF conversions
 
 
 def candidates(records: list[dict]) -> list[dict]:
     """Candidate records, de-duplicated by (problem, step) (the first record wins)."""
     seen, out = set(), []
-    for r in records:
+    for n, r in enumerate(records, 1):
         if r.get("type") != "candidate":
             continue
+        missing = [k for k in CANDIDATE_KEYS if k not in r]
+        if missing:
+            raise UsageError(f"labels record {n} lacks {', '.join(missing)}: this is not a file written by "
+                             "`pivotspec label` (or it was edited); relabel or fix it")
         key = (r["problem_id"], r["step"])
         if key not in seen:
             seen.add(key)

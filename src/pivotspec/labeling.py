@@ -139,12 +139,13 @@ def screen_rate(target: LM, task: Task, problem: Problem, prompt: list[int], cfg
 
 def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: LabelConfig, stop_ids: set[int],
                   known: dict[int, dict], base: dict, emit: Callable[[dict], None],
-                  judge: Callable[..., bool] | None = None) -> dict:
+                  judge: Callable[..., bool] | None = None,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> dict:
     """Walk one problem, emitting a record per new candidate; ``known`` holds candidates of an earlier
     run (by step) that are reused instead of rolled out again. Returns the problem's summary record."""
     from pivotspec.tasks import encode_problem
 
-    prompt = encode_problem(target.tokenizer, problem)
+    prompt = encode_problem(target.tokenizer, problem, True, chat_template_kwargs)
     summary = {"type": "problem", "problem_id": problem.id, **base}
     if cfg.min_target_rate >= 0:
         rate = screen_rate(target, task, problem, prompt, cfg, stop_ids)
@@ -239,17 +240,20 @@ class Progress:
 
 def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
                  overwrite: bool = False,
-                 judge: LM | None = None, split: str = "train", progress: bool = True) -> list[dict]:
+                 judge: LM | None = None, split: str = "train", progress: bool = True,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> list[dict]:
     """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds. The file is
     locked for the run, so a second labeler on the same file stops with a one-line error."""
     from pivotspec.store import open_for_append
 
     with open_for_append(out, overwrite) as fh:
-        return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, fh)
+        return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, fh,
+                             chat_template_kwargs)
 
 
 def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
-                  judge: LM | None, split: str, progress: bool, fh: Any) -> list[dict]:
+                  judge: LM | None, split: str, progress: bool, fh: Any,
+                  chat_template_kwargs: dict[str, Any] | None = None) -> list[dict]:
     from pivotspec.models import eos_ids
     from pivotspec.store import append_record, read_records
 
@@ -281,7 +285,7 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
         resumed = problem.id in finished
         if not resumed:
             append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
-                                            known.get(problem.id, {}), base, emit, flip))
+                                            known.get(problem.id, {}), base, emit, flip, chat_template_kwargs))
         if bar:
             bar.update(problems=int(not resumed), resumed=int(resumed))
     if bar:

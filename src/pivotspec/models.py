@@ -64,8 +64,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
+        except Exception as exc:  # the gguf reader raises anything from ValueError to struct/numpy errors
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+            raise UsageError(f"{gguf_path} is not a readable GGUF model ({first}): check the file, or "
+                             "download it again") from None
         # The GGUF quantizer stays attached although the weights are plain floats; it blocks saving.
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
@@ -77,30 +83,59 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def file_digest(path: Path) -> str:
+    """First 16 hex digits of the file's SHA-256, read in chunks (GGUF files run to gigabytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def smollm2_dir() -> Path:
     return convert_gguf(_smollm2_gguf(), cache_dir() / SMOLLM2)
 
 
-def _registered() -> dict[str, Any]:
-    from pivotspec.testbed import artifacts
+@dataclass(frozen=True)
+class RegisteredPair:
+    target: str
+    draft: str
+    classifier: Any = None  # () -> Path | None: the pivot classifier shipped for this pair, if any
 
-    return {SMOLLM2: smollm2_dir, **artifacts.REGISTERED}
+
+# Names that resolve to a directory without a path: SmolLM2 from its PyPI package here, the embedded testbed
+# models when ``pivotspec.testbed`` registers them (this module never imports it: the testbed builds on us).
+MODELS: dict[str, Any] = {SMOLLM2: smollm2_dir}
+PAIRS: dict[str, RegisteredPair] = {}
+
+
+def register_model(name: str, make_dir: Any) -> None:
+    """Make ``name`` a model spec; ``make_dir()`` returns (building it on first use) its HF directory."""
+    MODELS[name] = make_dir
+
+
+def register_pair(name: str, pair: RegisteredPair) -> None:
+    """Make ``name`` a value of ``--pair``."""
+    PAIRS[name] = pair
 
 
 def registered_names() -> list[str]:
-    return sorted(_registered())
+    return sorted(MODELS)
 
 
 def resolve(spec: str) -> tuple[Path | str, str | None]:
     """Map a model spec to (directory or hub id, gguf file name or None); no network access."""
-    names = _registered()
+    names = MODELS
     if spec in names:
         return names[spec](), None
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UsageError(f"model file {spec!r} does not exist: give the path of an existing .gguf file")
-        return convert_gguf(path, cache_dir() / "gguf" / path.stem), None
+        # Keyed by content, not name: another file under the same name must not load the old conversion.
+        return convert_gguf(path, cache_dir() / "gguf" / f"{path.stem}-{file_digest(path)}"), None
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UsageError(f"{spec!r} is not a Hugging Face model directory (no config.json): check the path")
@@ -133,6 +168,12 @@ class LM:
     @property
     def d_model(self) -> int:
         return int(self.model.config.hidden_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        """How many positions the model was built for (prompt + generated), if its config says."""
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
 
     def resolve_layer(self, layer: int) -> int:
         """A block index in HF's ``hidden_states`` convention, 1..L (1 = after the first block); negative

@@ -14,10 +14,32 @@ MEANING = {"accepted": "accepted by SD", "override": "kept by the PAD/baseline o
            "target": "plain decoding"}
 
 
+def fmt(x: Any, spec: str, suffix: str = "") -> str:
+    """A table cell: ``x`` formatted, or "-" when there is no value."""
+    return "-" if x is None else format(x, spec) + suffix
+
+
+def paired_cell(p: dict[str, Any] | None) -> str:
+    """'-0.020 (p 0.25)': accuracy difference and exact McNemar p-value, or '-'."""
+    return "-" if not p else f"{p['diff']:+.3f} (p {p['p_mcnemar']:.2g})"
+
+
+def format_table(summary: dict[str, dict[str, Any]]) -> str:
+    lines = ["| method | accuracy | 95% CI | vs ar (McNemar) | vs sd (McNemar) | eta | tau | target fwd/token | "
+             "ms/token | speedup | speedup IQR |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, s in summary.items():
+        lo, hi = s["ci95"]
+        iqr = "-" if not s["speedup_iqr"] else f"{s['speedup_iqr'][0]:.2f}-{s['speedup_iqr'][1]:.2f}"
+        paired = s.get("paired", {})
+        lines.append(f"| {label} | {s['accuracy']:.3f} | [{lo:.3f}, {hi:.3f}] | {paired_cell(paired.get('ar'))} | "
+                     f"{paired_cell(paired.get('sd'))} | {fmt(s['eta'], '.3f')} | "
+                     f"{fmt(s['tau'], '.2f')} | {fmt(s['target_forwards_per_token'], '.3f')} | "
+                     f"{fmt(s['ms_per_token'], '.1f')} | {fmt(s['speedup'], '.2f', 'x')} | {iqr} |")
+    return "\n".join(lines)
+
+
 def write_reports(out: Path, rows: list[dict[str, Any]], summary: dict[str, Any], problems: list[Any],
                   config: dict) -> None:
-    from pivotspec.evaluation import format_table
-
     (out / "summary.json").write_text(json.dumps({"config": config, "methods": summary}, indent=1))
     (out / "summary.md").write_text(format_table(summary) + "\n")
     pareto_plot(summary, out / "pareto.png")
@@ -55,8 +77,6 @@ def _tokens_html(trace: list[list[str]]) -> str:
 
 
 def report_html(rows: list[dict[str, Any]], summary: dict[str, Any], problems: list[Any], config: dict) -> str:
-    from pivotspec.evaluation import format_table
-
     legend = " ".join(f'<span class="tok {k}">{html.escape(v)}</span>' for k, v in MEANING.items())
     css = "".join(f".{k}{{background:{c}}}" for k, c in COLOURS.items())
     table_rows = []

@@ -6,6 +6,7 @@ acceptance policies use as features, while ``pick`` takes the argmax.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and math.isfinite(self.top_p)):
+            raise UsageError(f"temperature and top-p must be finite numbers, got {self.temperature} and {self.top_p}")
         if self.temperature < 0:
             raise UsageError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

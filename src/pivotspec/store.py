@@ -85,10 +85,18 @@ def append_record(fh: TextIO, record: dict[str, Any]) -> None:
 def read_user_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
     """A user's JSONL input file (prompts, data): strict, every problem a one-line UsageError naming the line."""
     path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {str(path)!r} is a directory: give a JSONL file")
     if not path.is_file():
         raise UsageError(f"{what} {str(path)!r} does not exist: check the path")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{what} {str(path)!r} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {what} {str(path)!r} ({exc.strerror}): check its permissions") from None
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

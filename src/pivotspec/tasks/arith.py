@@ -20,7 +20,7 @@ import random
 import re
 
 from pivotspec.errors import UsageError
-from pivotspec.tasks import Problem
+from pivotspec.tasks.base import Problem
 
 NAMES = (
     "Mia Liam Emma Noah Olivia Ethan Ava Lucas Sophia Mason Isabella Logan Amelia James Harper Elijah "

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotspec.errors import UsageError
-from pivotspec.tasks import Problem
+from pivotspec.tasks.base import Problem
 
 MATH_SYSTEM = "Solve the problem step by step. End with 'The answer is N.'"
 CODE_STOPS = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "]

@@ -96,4 +96,10 @@ def shipped_classifier() -> Path | None:
     return path if (path / "classifier.json").is_file() else None
 
 
-REGISTERED: dict[str, Callable[[], Path]] = {"testbed-target": target_dir, "testbed-draft": draft_dir}
+def register() -> None:
+    """Make the testbed models and pair known to ``pivotspec.models`` (done on ``import pivotspec``)."""
+    from pivotspec.models import RegisteredPair, register_model, register_pair
+
+    register_model("testbed-target", target_dir)
+    register_model("testbed-draft", draft_dir)
+    register_pair("testbed", RegisteredPair("testbed-target", "testbed-draft", shipped_classifier))

@@ -1,0 +1,104 @@
+"""Nothing destroyed without being asked, and wrong inputs refused (the hardening probe's cases, issue 15)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pivotspec.cli import main
+from tests.test_classifier import fake_labels
+
+
+def one_line_error(capsys, argv, expected):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    return err
+
+
+def test_demo_refuses_a_directory_that_is_not_an_earlier_demo(tmp_path, capsys):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "results.jsonl").write_text('{"precious": true}\n')
+    one_line_error(capsys, ["demo", "--n", "1", "--out", str(out)], "not an earlier demo")
+    assert (out / "results.jsonl").read_text() == '{"precious": true}\n'
+
+
+def test_train_classifier_refuses_to_replace_a_classifier(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "clf"
+    out.mkdir()
+    (out / "classifier.json").write_text("{}")
+    labels = fake_labels(tmp_path / "labels.jsonl")
+    one_line_error(capsys, ["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(labels),
+                            "--out", str(out), "--layer", "2"], "--overwrite")
+    assert (out / "classifier.json").read_text() == "{}"
+
+
+def test_resume_refuses_rows_of_another_run_even_without_run_json(tiny_dir, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"w{i} w3", "regex": "w1"}) + "\n" for i in range(3)))
+    out = tmp_path / "run"
+    base = ["eval", "--task", "jsonl", "--data", str(data), "--n", "2", "--methods", "ar", "--max-new-tokens", "4",
+            "--out", str(out)]
+    assert main([*base, "--target", str(tiny_dir["llama_target"])]) == 0
+    rows = (out / "results.jsonl").read_text()
+    (out / "run.json").unlink()
+    capsys.readouterr()
+    one_line_error(capsys, [*base, "--target", str(tiny_dir["qwen3_target"])], "rows of another run")
+    assert (out / "results.jsonl").read_text() == rows
+
+
+def test_labels_of_another_target_do_not_train_a_classifier_for_this_one(tiny_dir, tmp_path, capsys):
+    labels = fake_labels(tmp_path / "labels.jsonl")
+    rows = [json.loads(x) for x in labels.read_text().splitlines()]
+    other = {"name": "someone-else", "num_layers": 3, "d_model": 32, "vocab_size": 32}
+    labels.write_text("".join(json.dumps({**r, "target": other}) + "\n" for r in rows))
+    one_line_error(capsys, ["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(labels),
+                            "--out", str(tmp_path / "clf"), "--layer", "2"], "was labeled with target 'someone-else'")
+
+
+def test_too_few_labels_is_an_error_not_a_sigma_0_classifier(tiny_dir, tmp_path, capsys):
+    labels = fake_labels(tmp_path / "labels.jsonl", n_problems=2)
+    few = labels.read_text().splitlines()[:3]
+    labels.write_text("\n".join(few) + "\n")
+    one_line_error(capsys, ["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(labels),
+                            "--out", str(tmp_path / "clf"), "--layer", "2"], "label more problems")
+    assert not (tmp_path / "clf" / "classifier.json").exists()
+
+
+def test_labels_rows_missing_keys(tiny_dir, tmp_path, capsys):
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text(json.dumps({"type": "candidate", "problem_id": "p", "step": 0}) + "\n")
+    one_line_error(capsys, ["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(labels),
+                            "--out", str(tmp_path / "clf"), "--layer", "2"], "lacks prefix_ids")
+
+
+@pytest.mark.parametrize("damage", ["list", "no layer", "empty weights", "garbage weights"])
+def test_damaged_classifier_directory(tiny_dir, tmp_path, capsys, damage):
+    from tests.test_classifier import trained_classifier
+
+    out = trained_classifier(tiny_dir, tmp_path)
+    config = json.loads((out / "classifier.json").read_text())
+    if damage == "list":
+        (out / "classifier.json").write_text("[1, 2]")
+    elif damage == "no layer":
+        config.pop("layer")
+        (out / "classifier.json").write_text(json.dumps(config))
+    else:
+        (out / "classifier.safetensors").write_bytes(b"" if damage == "empty weights" else b"\x07" * 100)
+    argv = ["generate", "--target", str(tiny_dir["llama_target"]), "--draft", str(tiny_dir["llama_draft"]),
+            "--method", "pad", "--classifier", str(out), "--prompt", "w1"]
+    one_line_error(capsys, argv, "damaged classifier")
+
+
+def test_gguf_conversions_are_keyed_by_content(tmp_path, monkeypatch):
+    from pivotspec import models
+
+    made = []
+    monkeypatch.setattr(models, "convert_gguf", lambda path, out: made.append(out) or out)
+    for sub, content in (("a", b"first model"), ("b", b"second model")):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "model.gguf").write_bytes(content)
+        models.resolve(str(tmp_path / sub / "model.gguf"))
+    assert len(set(made)) == 2  # same file name, different content: two conversions, never the old one
