@@ -50,8 +50,12 @@ class GrowingLayer(DynamicLayer):
 
 
 def growing_cache(config: Any) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose plain layers append in place (sliding-window layers keep
-    transformers' own class, which trims as it appends)."""
+    """A ``DynamicCache`` for ``config`` whose layers all append in place and keep every position.
+
+    Sliding-window layers too: transformers' ``DynamicSlidingWindowLayer`` drops keys older than the window,
+    so once the window is reached a rejected draft can no longer be rolled back. A full layer gives the same
+    attention, because the model's sliding-window mask (built from absolute positions) hides those keys; it
+    costs memory for positions the window no longer reads, which is small next to a rollback that works."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if isinstance(layer, DynamicLayer) else layer for layer in cache.layers]
     return cache
