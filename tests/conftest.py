@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# The whole suite runs on one device: PIVOTSPEC_TEST_DEVICE (default cpu), e.g. cuda on a GPU machine.
+os.environ["PIVOTSPEC_DEVICE"] = os.environ.get("PIVOTSPEC_TEST_DEVICE", "cpu")
+
 WORDS = ["<unk>", "</s>"] + [f"w{i}" for i in range(30)]
 
 

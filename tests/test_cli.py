@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pivotspec.cli import main
 from tests.conftest import make_tiny_model, make_tokenizer
@@ -99,6 +100,8 @@ def error_cases(tiny_dir, other, tmp_path):
         "empty gguf": (["generate", "--target", str(empty_gguf), "--prompt", "x"], "not a readable GGUF"),
         "garbage gguf": (["generate", "--target", str(garbage_gguf), "--prompt", "x"], "not a readable GGUF"),
         "labels alone": (["labels"], "stats"),
+        "unknown device": ([*base, "--device", "tpu7"], "device"),
+        **({} if torch.cuda.is_available() else {"no cuda here": ([*base, "--device", "cuda"], "not available")}),
     }
 
 

@@ -38,7 +38,8 @@ class Verification:
         self.hidden = hidden  # [g + 1, d] target hidden states of the rows [last, d_1 .. d_g] (row i holds d_i)
         if q is not None:
             self.__dict__["q"] = q  # the sampler already computed the draft distributions
-        self.sd_ok = torch.zeros(draft_tokens.shape[0], dtype=torch.bool)  # the lossless rule's decision
+        # the lossless rule's decision
+        self.sd_ok = torch.zeros(draft_tokens.shape[0], dtype=torch.bool, device=draft_tokens.device)
         self.u: torch.Tensor | None = None  # sampling: the uniforms SD compared p/q against
 
     @cached_property
@@ -119,6 +120,6 @@ def constant_classifier(score: float) -> Classifier:
     """A classifier that calls every token a pivot with probability ``score`` (for tests and ablations)."""
 
     def classify(v: Verification) -> torch.Tensor:
-        return torch.full((v.draft_tokens.shape[0],), float(score))
+        return torch.full((v.draft_tokens.shape[0],), float(score), device=v.draft_tokens.device)
 
     return classify

@@ -47,15 +47,17 @@ def resolve_names(target: str | None, draft: str | None, pair: str | None,
 
 
 def load_pair(target: str | None = None, draft: str | None = None, *, pair: str | None = None,
-              dtype: str = "float32", threads: int | None = None, needs_draft: bool = False) -> Pair:
-    """Load a target (and draft) once; a draft must share the target's tokenizer (checked)."""
+              dtype: str | None = None, device: str | None = None, threads: int | None = None,
+              needs_draft: bool = False) -> Pair:
+    """Load a target (and draft) once onto ``device`` (default auto: CUDA when available, else CPU); ``dtype``
+    defaults to bfloat16 on CUDA, float32 elsewhere. A draft must share the target's tokenizer (checked)."""
     from pivotspec.models import check_same_tokenizer, load_lm
 
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     target_name, draft_name = resolve_names(target, draft, pair, needs_draft)
-    t = load_lm(target_name, dtype, threads)
-    d = load_lm(draft_name, dtype, threads) if draft_name else None
+    t = load_lm(target_name, dtype, threads, device)
+    d = load_lm(draft_name, dtype, threads, device) if draft_name else None
     if d is not None:
         check_same_tokenizer(t, d)
     return Pair(t, d, pair)

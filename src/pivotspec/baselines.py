@@ -30,7 +30,7 @@ class Typical:
     def override(self, v: Verification) -> torch.Tensor:
         g = v.draft_tokens.shape[0]
         p = v.p_raw[:g]
-        floor = torch.minimum(torch.full((g,), self.epsilon), self.delta * torch.exp(-entropy(p)))
+        floor = torch.minimum(torch.full((g,), self.epsilon, device=p.device), self.delta * torch.exp(-entropy(p)))
         return v.draft_prob(p) > floor
 
 
@@ -47,7 +47,7 @@ class TopK:
     def override(self, v: Verification) -> torch.Tensor:
         g = v.draft_tokens.shape[0]
         if self.k <= 0:
-            return torch.zeros(g, dtype=torch.bool)
+            return torch.zeros(g, dtype=torch.bool, device=v.draft_tokens.device)
         p = v.p_raw[:g]
         top = torch.topk(p, min(self.k, p.shape[-1]), dim=-1)
         in_top = (top.indices == v.draft_tokens[:, None]).any(-1)

@@ -214,7 +214,7 @@ def load_for_target(path: Path, target: Any) -> tuple[Callable[[Any], torch.Tens
     """A trained classifier as the decoding loop's callable, checked against ``target``."""
     net, config = load(path)
     check_compatible(config, target)
-    return as_policy_classifier(net), config
+    return as_policy_classifier(net.to(target.device)), config  # scores where the target's hidden states are
 
 
 # Reference classifiers: logistic regressions on the scalars alone. If the hidden-state classifier does not

@@ -47,7 +47,7 @@ def cmd_train_classifier(args: argparse.Namespace) -> None:
 
     check_output_dir(args.out, args.overwrite, clf.CONFIG)
     pair = load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
-                     needs_draft=args.type == "extended" or args.compare_types)
+                     device=args.device, needs_draft=args.type == "extended" or args.compare_types)
     target, draft = pair.target, pair.draft
 
     def progress(line: str) -> None:
@@ -76,8 +76,8 @@ def cmd_eval_classifier(args: argparse.Namespace) -> None:
         raise UsageError(f"labels file {str(args.labels)!r} does not exist: check the path")
     if config["type"] == "extended" and not args.draft:
         raise UsageError("this classifier reads draft scalars: pass --draft")
-    target = load_lm(args.target or config["target"]["name"], args.dtype)
-    draft = load_lm(args.draft, args.dtype) if config["type"] == "extended" else None
+    target = load_lm(args.target or config["target"]["name"], args.dtype, device=args.device)
+    draft = load_lm(args.draft, args.dtype, device=args.device) if config["type"] == "extended" else None
     # Plots go next to the labels (or to --out), never into the classifier directory: that may be inside
     # the installed package, and a classifier directory must hold only the classifier.
     plots = args.out or args.labels.with_name(f"{args.labels.stem}.eval-{Path(args.classifier).name}")
@@ -131,7 +131,9 @@ def add_parsers(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], No
     ev.add_argument("--labels", type=Path, required=True)
     ev.add_argument("--target", help="default: the target the classifier was trained for")
     ev.add_argument("--draft", help="needed for 'extended' classifiers")
-    ev.add_argument("--dtype", default="float32", help="(default float32)")
+    ev.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else "
+                    "float32)")
+    ev.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     ev.add_argument("--out", type=Path, help="where to write roc.png and pr.png (default: LABELS.eval-CLASSIFIER "
                     "next to the labels file)")
     ev.add_argument("--json", action="store_true")

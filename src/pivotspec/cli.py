@@ -53,7 +53,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", help="target model: registered name, HF directory, .gguf file or cached hub id")
     g.add_argument("--draft", help="draft model sharing the target's tokenizer")
     g.add_argument("--pair", choices=["testbed"], help="shorthand for a registered target/draft pair")
-    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    g.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: $PIVOTSPEC_DEVICE, else "
+                   "auto: CUDA if available, else CPU)")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else "
+                   "float32)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -154,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("pivotspec-demo"), help="report directory")
     demo.add_argument("--overwrite", action="store_true", help="replace whatever --out holds")
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    demo.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     add_chat_args(demo)
     demo.set_defaults(func=cmd_demo)
 
@@ -172,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_pair(args: argparse.Namespace, needs_draft: bool) -> api.Pair:
     return api.load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
-                         needs_draft=needs_draft)
+                         device=args.device, needs_draft=needs_draft)
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
@@ -299,7 +303,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     methods = "ar,sd,pad" if clf_dir else "ar,sd"
     ns = build_parser().parse_args(["eval", "--pair", "testbed", "--methods", methods, "--n", str(args.n),
                                     "--out", str(out), "--overwrite"]
-                                   + (["--threads", str(args.threads)] if args.threads else []))
+                                   + (["--threads", str(args.threads)] if args.threads else [])
+                                   + (["--device", args.device] if args.device else []))
     ns.chat_template_kwargs = args.chat_template_kwargs
     if not clf_dir:
         print("pivotspec: note: no pivot classifier is shipped yet, so the demo runs ar and sd only",

@@ -101,7 +101,7 @@ def generate(
                              f"{limit} positions of model {m.name!r}: shorten the prompt or lower --max-new-tokens")
     policy = policy or Lossless()
     cfg = cfg or SamplingConfig()
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=target.device).manual_seed(seed)  # draws happen where the logits are
     stopper = _Stopper(target.tokenizer, eos_ids or set(), list(stop_strings or []), max_new_tokens)
     stats = _new_stats()
     models = [m for m in (target, draft) if m is not None]
@@ -140,12 +140,12 @@ def generate(
         n_kept = 0
         v = None
         if drafts:
-            d = torch.tensor(drafts)
+            d = torch.tensor(drafts, device=logits.device)
             v = Verification(d, logits, proposal.full_logits, cfg, hidden, q=proposal.q)
             if cfg.greedy:
                 v.sd_ok = argmax(logits[: len(drafts)]) == d
             else:
-                v.u = torch.rand(len(drafts), generator=generator)
+                v.u = torch.rand(len(drafts), generator=generator, device=logits.device)
                 v.sd_ok = v.u * v.draft_prob(v.q) <= v.draft_prob(v.p)
             override = policy.override(v) & ~v.sd_ok
             stats["policy_s"] += time.perf_counter() - t2

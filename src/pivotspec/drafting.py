@@ -33,7 +33,7 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return logits
     if n > vocab_size:
         return logits[..., :vocab_size]
-    pad = torch.full((*logits.shape[:-1], vocab_size - n), float("-inf"))
+    pad = torch.full((*logits.shape[:-1], vocab_size - n), float("-inf"), device=logits.device)
     return torch.cat([logits, pad], dim=-1)
 
 

@@ -67,11 +67,12 @@ def _model_features(target: LM, cands: list[dict], layer: int | None,
         q = None
         if draft is not None:
             q = torch.softmax(fit_vocab(draft.advance(prefix, keep_logits=1)[0], target.vocab_size), dim=-1)
-        h_i, s_i = model_inputs(kind, h, torch.softmax(logits, dim=-1), torch.tensor([d]), q)
+        h_i, s_i = model_inputs(kind, h, torch.softmax(logits, dim=-1), torch.tensor([d], device=logits.device), q)
         scalars[i] = s_i[0]
         if h_i is not None:
             hidden[i] = h_i[0]
-    return (torch.stack(hidden) if layer is not None else None), torch.stack(scalars)
+    # Training runs on the CPU whatever device the target decodes on.
+    return (torch.stack(hidden).cpu() if layer is not None else None), torch.stack(scalars).cpu()
 
 
 def extract(target: LM, records: list[dict], layer: int, draft: LM | None = None,

@@ -70,10 +70,10 @@ def is_pivot(u_acc: float, u_rej: float, mode: str, alpha: float) -> bool:
     return u_acc < alpha
 
 
-def seeded_generator(*parts: object) -> torch.Generator:
+def seeded_generator(*parts: object, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from stable parts (seed, problem, step), so a resumed run samples the same."""
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
 @torch.inference_mode()
@@ -91,8 +91,8 @@ def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: Sa
     outs = [[t] for t in first_tokens]
     active = [i for i, t in enumerate(first_tokens) if t not in stop_ids]
     if active != list(range(len(first_tokens))):
-        cache.batch_select_indices(torch.tensor(active))
-    inputs = torch.tensor([[first_tokens[i]] for i in active])
+        cache.batch_select_indices(torch.tensor(active, device=lm.device))
+    inputs = torch.tensor([[first_tokens[i]] for i in active], device=lm.device)
     for _ in range(max_tokens - 1):
         if not active:
             break
@@ -107,9 +107,9 @@ def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: Sa
         if len(keep) < len(active):
             active = [active[r] for r in keep]
             if keep:
-                cache.batch_select_indices(torch.tensor(keep))
+                cache.batch_select_indices(torch.tensor(keep, device=lm.device))
             tokens = [tokens[r] for r in keep]
-        inputs = torch.tensor([[t] for t in tokens])
+        inputs = torch.tensor([[t] for t in tokens], device=lm.device)
     return outs
 
 
@@ -128,7 +128,7 @@ def model_identity(lm: LM) -> dict:
 def screen_rate(target: LM, task: Task, problem: Problem, prompt: list[int], cfg: LabelConfig,
                 stop_ids: set[int]) -> float:
     """The target's success rate from the prompt over N sampled completions."""
-    gen = seeded_generator(cfg.seed, problem.id, "screen")
+    gen = seeded_generator(cfg.seed, problem.id, "screen", device=target.device)
     scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
     # Continuations start with the prompt's last token (so they share one cached prefix); strip it again.
     conts = batched_rollouts(target, prompt[:-1], [prompt[-1]] * cfg.rollouts, scfg, cfg.max_rollout_tokens + 1,
@@ -172,7 +172,7 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
             if rec is None:
                 n = cfg.rollouts
                 started = time.perf_counter()
-                gen = seeded_generator(cfg.seed, problem.id, step)
+                gen = seeded_generator(cfg.seed, problem.id, step, device=target.device)
                 conts = batched_rollouts(target, seq, [d] * n + [t] * n, scfg, cfg.max_rollout_tokens, stop_ids, gen)
                 u_acc, u_rej, scores = success_rates(task, problem, target.tokenizer, generated, conts, n)
                 label = is_pivot(u_acc, u_rej, cfg.mode, cfg.alpha)

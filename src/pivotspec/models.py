@@ -29,6 +29,38 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_MAP_FILE = "pivotspec_vocab_map.json"  # reduced-output-vocabulary drafts: output row -> token id
 
 
+def resolve_device(device: str | None = None) -> torch.device:
+    """``auto``: CUDA when available, else Apple MPS when available, else the CPU; ``cpu``, ``cuda``,
+    ``cuda:N`` and ``mps`` are checked against what this machine has. None: ``$PIVOTSPEC_DEVICE``, else auto
+    (the test suite sets it from ``$PIVOTSPEC_TEST_DEVICE``, default cpu)."""
+    device = device or os.environ.get("PIVOTSPEC_DEVICE") or "auto"
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"unknown device {device!r}: choose auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise UsageError(f"device {device!r} is not available on this machine (this torch sees "
+                         f"{torch.cuda.device_count()} CUDA devices): use --device cpu or auto")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise UsageError("device 'mps' is not available on this machine: use --device cpu or auto")
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"unsupported device {device!r}: choose auto, cpu, cuda, cuda:N or mps")
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so a clock read afterwards measures it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def cache_dir() -> Path:
     """Where converted checkpoints live: ``$PIVOTSPEC_CACHE``, default ``~/.cache/pivotspec``."""
     return Path(os.environ.get("PIVOTSPEC_CACHE", Path.home() / ".cache" / "pivotspec"))
@@ -159,6 +191,7 @@ class LM:
     input_map: torch.Tensor | None = None  # reduced-vocab drafts: token id -> embedding row (unknown ids share one)
     cache: Any = None
     cached_ids: list[int] = field(default_factory=list)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_s: float = 0.0  # wall seconds spent inside model forwards (for overhead accounting)
 
     @property
@@ -217,9 +250,10 @@ class LM:
             handle = block.register_forward_hook(
                 lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
             )
+        synchronize(self.device)
         start = time.perf_counter()
         try:
-            inputs = torch.tensor([ids], dtype=torch.long)
+            inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
             out = self.model(
                 input_ids=inputs if self.input_map is None else self.input_map[inputs],
                 cache=self.cache,
@@ -229,6 +263,7 @@ class LM:
         finally:
             if handle is not None:
                 handle.remove()
+        synchronize(self.device)
         self.forward_s += time.perf_counter() - start
         self.cached_ids.extend(ids)
         logits = out.logits[0, -keep_logits:].float() if keep_logits > 0 else None
@@ -241,7 +276,7 @@ class LM:
         """Output-layer logits spread over the full token-id space (-inf for ids a reduced vocabulary lacks)."""
         if self.vocab_map is None:
             return logits
-        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
         full[:, self.vocab_map] = logits[:, : self.vocab_map.shape[0]]  # rows past the map (unknown-id row) never win
         return full
 
@@ -268,38 +303,42 @@ class LM:
         return self.forward(seq[common:], keep_logits=keep_logits, hidden_layer=hidden_layer, full_vocab=full_vocab)
 
 
-def load_lm(spec: str, dtype: str = "float32", num_threads: int | None = None) -> LM:
-    """Load a causal LM (see module doc for accepted specs); errors are one-line UsageErrors."""
+def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None) -> LM:
+    """Load a causal LM (see module doc for accepted specs) onto ``device``; ``dtype`` defaults to bfloat16
+    on CUDA and float32 elsewhere. Errors are one-line UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
     if num_threads:
         torch.set_num_threads(num_threads)
-    source, _ = resolve(spec)
+    dev = resolve_device(device)
+    dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
     if torch_dtype is None:
         raise UsageError(f"unknown dtype {dtype!r}: choose float32, bfloat16 or float16")
+    source, _ = resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot load model {spec!r} ({first}): give a local directory or a registered name") from exc
-    model.eval()
+    model.to(dev).eval()
     map_file = Path(source) / VOCAB_MAP_FILE if isinstance(source, Path) else None
     if map_file is not None and map_file.is_file():
         info = json.loads(map_file.read_text())
         return reduced_vocab_lm(spec, model, tokenizer, info["token_ids"], info["full_vocab_size"])
-    return LM(name=spec, model=model, tokenizer=tokenizer, vocab_size=int(model.config.vocab_size))
+    return LM(name=spec, model=model, tokenizer=tokenizer, vocab_size=int(model.config.vocab_size), device=dev)
 
 
 def reduced_vocab_lm(name: str, model: Any, tokenizer: Any, token_ids: list[int], full_vocab_size: int) -> LM:
     """Wrap a model whose embedding/output rows are ``token_ids`` (plus one trailing row for any other id)."""
-    vocab_map = torch.tensor(token_ids, dtype=torch.long)
-    input_map = torch.full((full_vocab_size,), len(token_ids), dtype=torch.long)
-    input_map[vocab_map] = torch.arange(len(token_ids))
+    dev = next(model.parameters()).device
+    vocab_map = torch.tensor(token_ids, dtype=torch.long, device=dev)
+    input_map = torch.full((full_vocab_size,), len(token_ids), dtype=torch.long, device=dev)
+    input_map[vocab_map] = torch.arange(len(token_ids), device=dev)
     return LM(name=name, model=model, tokenizer=tokenizer, vocab_size=full_vocab_size, vocab_map=vocab_map,
-              input_map=input_map)
+              input_map=input_map, device=dev)
 
 
 def check_same_tokenizer(target: LM, draft: LM) -> None:
