@@ -25,8 +25,8 @@ from pivotspec.tasks import encode_problem, get_task
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    target = load_lm(args.target, args.dtype)
-    draft = load_lm(args.draft, args.draft_dtype)
+    target = load_lm(args.target, args.dtype, device=args.device)
+    draft = load_lm(args.draft, args.draft_dtype, device=args.device)
     check_same_tokenizer(target, draft)
     problems = get_task("arith").problems("test", args.n, seed=args.seed)
     prompts = [encode_problem(target.tokenizer, p) for p in problems]
@@ -88,6 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft-dtype", default="bfloat16")
     ap.add_argument("--n", type=int, default=8, help="arith test problems used as prompts")

@@ -1,0 +1,142 @@
+"""pivotspec `sd` against transformers' own assisted generation on the same pair: same tokens, and speed.
+
+    python benchmarks/hf_parity.py --target testbed-target --draft testbed-draft-full --draft-dtype float32
+    python benchmarks/hf_parity.py --target smollm2-135m-instruct --draft smollm2-135m-instruct --draft-dtype bfloat16
+
+``testbed-draft-full`` is the testbed draft exported to the full vocabulary (transformers' assisted generation
+cannot use a reduced output layer): its rows for the ids it knows, the unknown-id row for the other input
+ids, and zero output rows for them (logit 0, below the argmax logit of every step here: checked by the
+identical outputs).
+
+Greedy, the same constant number of draft tokens per step in both (transformers: num_assistant_tokens with
+the "constant" schedule and no confidence early-exit), the same prompts (arith test problems with the chat
+template) and the same budget. Runs are interleaved per prompt, the order alternating between repeats;
+ms/token are medians over repeats of total wall / total new tokens. Writes benchmarks/results/hf_parity.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pivotspec.decoding import decode
+from pivotspec.models import check_same_tokenizer, eos_ids, load_lm
+from pivotspec.tasks import encode_problem, get_task
+
+
+def hf_assisted(target, draft, ids: list[int], gamma: int, max_new_tokens: int) -> tuple[list[int], float]:
+    gen_cfg = draft.model.generation_config
+    gen_cfg.num_assistant_tokens, gen_cfg.num_assistant_tokens_schedule = gamma, "constant"
+    gen_cfg.assistant_confidence_threshold = 0.0
+    start = time.perf_counter()
+    out = target.model.generate(torch.tensor([ids], device=target.device), assistant_model=draft.model,
+                                do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids(target)),
+                                pad_token_id=target.tokenizer.pad_token_id or 0)
+    wall = time.perf_counter() - start
+    return out[0, len(ids):].tolist(), wall
+
+
+def full_vocab_draft(reduced, out: Path) -> Path:
+    """Save ``reduced`` (a reduced-vocabulary LM) as an ordinary full-vocabulary HF checkpoint in ``out``."""
+    import copy
+
+    model = copy.deepcopy(reduced.model)
+    known, n = reduced.vocab_map, reduced.vocab_size
+    emb, head = model.get_input_embeddings().weight.data, model.get_output_embeddings().weight.data
+    new_emb = emb[reduced.input_map]  # every id -> its row (unknown ids -> the shared unknown row)
+    new_head = torch.zeros(n, head.shape[1], dtype=head.dtype)
+    new_head[known] = head[: known.shape[0]]
+    model.resize_token_embeddings(n)
+    model.get_input_embeddings().weight.data.copy_(new_emb)
+    model.get_output_embeddings().weight.data.copy_(new_head)
+    model.config.vocab_size = n
+    model.save_pretrained(out)
+    reduced.tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--draft-dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--n", type=int, default=8, help="arith test problems used as prompts")
+    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hf_parity.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_lm(args.target, args.dtype, device=args.device)
+    reduced = None
+    if args.draft == "testbed-draft-full":
+        import tempfile
+
+        reduced = load_lm("testbed-draft", args.draft_dtype, device=args.device)
+        export = full_vocab_draft(reduced, Path(tempfile.mkdtemp(prefix="pivotspec-draft-full-")))
+        draft = load_lm(str(export), args.draft_dtype, device=args.device)
+        draft.name = "testbed-draft-full"
+    else:
+        draft = load_lm(args.draft, args.draft_dtype, device=args.device)
+    check_same_tokenizer(target, draft)
+    prompts = [encode_problem(target.tokenizer, p) for p in get_task("arith").problems("test", args.n, seed=0)]
+
+    def pivotspec_sd(ids: list[int]) -> tuple[list[int], float]:
+        g = decode("sd", target, draft, ids, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                   eos_ids=eos_ids(target))
+        return g.token_ids, g.stats["wall_s"]
+
+    runners = {"pivotspec sd": pivotspec_sd,
+               "transformers assisted": lambda ids: hf_assisted(target, draft, ids, args.gamma, args.max_new_tokens)}
+    if reduced is not None:  # what transformers cannot run: the same draft with its own small output layer
+        def reduced_sd(ids: list[int]) -> tuple[list[int], float]:
+            g = decode("sd", target, reduced, ids, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                       eos_ids=eos_ids(target))
+            return g.token_ids, g.stats["wall_s"]
+
+        runners["pivotspec sd, reduced-vocab draft (not in transformers)"] = reduced_sd
+    for run in runners.values():  # untimed warm-up
+        run(prompts[0])
+    walls = {m: [] for m in runners}
+    tokens = {m: 0 for m in runners}
+    outputs = {m: [] for m in runners}
+    for r in range(args.repeats):
+        totals = dict.fromkeys(runners, 0.0)
+        for ids in prompts:
+            for m in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
+                out, wall = runners[m](ids)
+                totals[m] += wall
+                if r == 0:
+                    outputs[m].append(out)
+                    tokens[m] += len(out)
+        for m in runners:
+            walls[m].append(totals[m])
+    identical = sum(a == b for a, b in zip(outputs["pivotspec sd"], outputs["transformers assisted"], strict=True))
+    same_as_reduced = {m: sum(a == b for a, b in zip(o, outputs["pivotspec sd"], strict=True))
+                       for m, o in outputs.items()}
+    rows = {m: {"ms_per_token": statistics.median(1000 * w / tokens[m] for w in walls[m]), "new_tokens": tokens[m],
+                "identical_to_pivotspec_sd": same_as_reduced[m]} for m in runners}
+    ratio = statistics.median(h / p for h, p in zip(walls["transformers assisted"], walls["pivotspec sd"], strict=True))
+    result = {"config": {k: str(v) for k, v in vars(args).items()}, "n_prompts": len(prompts),
+              "identical_outputs": identical, "methods": rows, "pivotspec_speedup_over_transformers": ratio}
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"{len(prompts)} prompts, greedy, gamma {args.gamma}, {args.max_new_tokens} new tokens at most; "
+          f"token ids identical on {identical}/{len(prompts)}")
+    print("| implementation | ms/token | new tokens | same tokens as pivotspec sd |\n|---|---|---|---|")
+    for m, row in rows.items():
+        same = f"{row['identical_to_pivotspec_sd']}/{len(prompts)}"
+        print(f"| {m} | {row['ms_per_token']:.1f} | {row['new_tokens']} | {same} |")
+    print(f"pivotspec sd is {ratio:.2f}x as fast as transformers' assisted generation (median of {args.repeats} "
+          "interleaved repeats)")
+
+
+if __name__ == "__main__":
+    main()
