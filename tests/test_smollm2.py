@@ -54,7 +54,9 @@ def test_gguf_path_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "convert_gguf", lambda src, out: calls.append((src, out)) or out)
     gguf = models._smollm2_gguf()
     source, _ = models.resolve(str(gguf))
-    assert calls == [(gguf, models.cache_dir() / "gguf" / gguf.stem)] and source == calls[0][1]
+    # keyed by content: the file's name plus the first 16 hex digits of its SHA-256
+    key = f"{gguf.stem}-{models.file_digest(gguf)}"
+    assert calls == [(gguf, models.cache_dir() / "gguf" / key)] and source == calls[0][1]
     # the registered name goes through the same conversion, into its own cache directory
     assert models.smollm2_dir() == models.cache_dir() / models.SMOLLM2
     assert (models.smollm2_dir() / "model.safetensors").is_file()
