@@ -14,6 +14,7 @@ from typing import Any
 
 from pivotspec import api
 from pivotspec.errors import UsageError
+from pivotspec.store import ensure_writable_dir
 
 SPLITS = "train, validation or test (arith); test (humaneval, gsm8k, mbpp, jsonl: the file's rows)"
 TASK_NAMES = "arith, humaneval, gsm8k, mbpp or jsonl"
@@ -238,20 +239,6 @@ def _eval_settings(args: argparse.Namespace) -> Any:
                         out=args.out, overwrite=args.overwrite)
 
 
-def _check_eval_out(out: Path | None) -> None:
-    """An --out that cannot hold results is reported before the models load, not after."""
-    if out is None:
-        return
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file: give a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create --out {out} ({exc.strerror}): choose a writable directory") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out} is not writable: choose a writable directory")
-
-
 def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from pivotspec.evaluation import method_specs
     from pivotspec.policies import parse_floats
@@ -266,7 +253,8 @@ def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     baselines = [b for b in (args.baselines or "").split(",") if b] + list(args.baseline)
     kwargs = {"sigmas": sigmas, "baselines": baselines, "pair": args.pair, **_policy_args(args)}
     specs = method_specs(args.methods, None, **kwargs)
-    _check_eval_out(args.out)
+    if args.out is not None:
+        ensure_writable_dir(args.out)
     pair = load_pair(args, needs_draft=any(s.method != "ar" for s in specs))
     specs = method_specs(args.methods, pair.target, **kwargs)
     return api.evaluate(pair, settings, specs=specs)
@@ -294,7 +282,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     out = args.out
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file: give a directory")
+        ensure_writable_dir(out)  # the one-line error for a file in the way
     earlier_demo = (out / DEMO_MARK).is_file()
     if out.is_dir() and any(out.iterdir()) and not (earlier_demo or args.overwrite):
         raise UsageError(f"{out} holds files that are not an earlier demo: pass --overwrite to replace them, or "
@@ -309,7 +297,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if not clf_dir:
         print("pivotspec: note: no pivot classifier is shipped yet, so the demo runs ar and sd only",
               file=sys.stderr)
-    _check_eval_out(out)
+    ensure_writable_dir(out)
     (out / DEMO_MARK).write_text("written by `pivotspec demo`; a later demo may replace this directory\n")
     summary = run_eval_command(ns)
     print(format_table(summary))

@@ -111,19 +111,26 @@ def read_user_jsonl(path: Path, what: str) -> list[dict[str, Any]]:
     return rows
 
 
+def ensure_writable_dir(path: Path) -> None:
+    """Create ``path`` if needed; a file there, or a directory that cannot be created or written, is a
+    one-line error (checked before any model loads, not after)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{path} is a file, not a directory: choose another --out")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {path} ({exc.strerror}): choose a writable --out") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{path} is not writable: choose a writable --out")
+
+
 def check_output_dir(path: Path, overwrite: bool, *ours: str) -> None:
     """Refuse to write into a directory that already holds something, unless ``overwrite``: a second run
     must not silently replace a trained classifier or a finished report. Called before any model loads.
     ``ours`` names files that mark the directory as this command's own output (replaced on --overwrite)."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{path} is a file, not a directory: choose another --out")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         what = "an earlier result" if any((path / f).exists() for f in ours) else "other files"
         raise UsageError(f"{path} already holds {what}: pass --overwrite to replace it, or choose another --out")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create {path} ({exc.strerror}): choose a writable --out") from None
-    if not os.access(path, os.W_OK):
-        raise UsageError(f"{path} is not writable: choose a writable --out")
+    ensure_writable_dir(path)
