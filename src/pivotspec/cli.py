@@ -162,6 +162,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_args(demo)
     demo.set_defaults(func=cmd_demo)
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible server (chat/completions, completions, metrics)")
+    add_model_args(srv)
+    srv.add_argument("--method", default="pad", help="default method: ar, draft, sd, pad or a baseline spec "
+                     "(requests may override with the extra field \"method\")")
+    srv.add_argument("--classifier", help="pivot classifier for pad (default: the pair's shipped one)")
+    srv.add_argument("--sigma", type=float, default=None, help="PAD sigma (default: the classifier's calibrated one)")
+    srv.add_argument("--gamma", type=int, default=5, help="draft tokens per step")
+    srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--max-queue", type=int, default=16, help="requests waiting behind the running one before 429")
+    srv.add_argument("--max-tokens", type=int, default=256, help="completion budget when a request sets none")
+    srv.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health")
+    srv.add_argument("--model-name", help="the model id clients send (default: the target's name)")
+    srv.set_defaults(func=cmd_serve)
+
     from pivotspec.classifier_cli import add_parsers as add_classifier_parsers
     add_classifier_parsers(sub, add_model_args)
 
@@ -302,6 +317,25 @@ def cmd_demo(args: argparse.Namespace) -> None:
     summary = run_eval_command(ns)
     print(format_table(summary))
     print(f"report: {(out / 'report.html').resolve()}")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from pivotspec.server import Settings, serve
+    except ImportError:
+        raise UsageError("pivotspec serve needs FastAPI and uvicorn: pip install 'pivotspec[serve]'") from None
+    if args.max_queue < 0 or args.gamma < 1 or args.max_tokens < 1:
+        raise UsageError("--max-queue must be >= 0, --gamma and --max-tokens >= 1")
+    pair = load_pair(args, needs_draft=args.method != "ar")
+    settings = Settings(model=args.model_name or pair.target.name, method=args.method, classifier=args.classifier,
+                        sigma=args.sigma, gamma=args.gamma, max_queue=args.max_queue, api_key=args.api_key,
+                        max_tokens=args.max_tokens)
+    from pivotspec.server.app import Server
+
+    Server(pair, settings).policy(settings.method, settings.sigma)  # a bad default method fails now, not per request
+    print(f"pivotspec: serving {settings.model!r} ({settings.method}) on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    serve(pair, settings, args.host, args.port)
 
 
 def cmd_label(args: argparse.Namespace) -> None:

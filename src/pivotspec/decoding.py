@@ -89,9 +89,12 @@ def generate(
     stop_strings: list[str] | None = None,
     seed: int = 0,
     residual_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = residual,
+    on_step: Callable[[list[tuple[int, str]]], bool] | None = None,
 ) -> Generation:
     """Decode from ``prompt_ids``. ``draft=None`` is plain decoding with ``target``; otherwise speculative
-    decoding with ``policy`` (default: lossless). ``residual_fn`` is injectable for tests only."""
+    decoding with ``policy`` (default: lossless). ``on_step`` receives each step's emitted (token id, source)
+    pairs as soon as they exist (streaming) and stops the decode, with stop reason "cancelled", by returning
+    False. ``residual_fn`` is injectable for tests only."""
     if not prompt_ids:
         raise UsageError("the prompt is empty (no tokens): give a non-empty prompt")
     for m in (target, draft):
@@ -163,6 +166,7 @@ def generate(
         else:
             emitted.append((token, "bonus" if draft is not None else "target"))
 
+        step_start = len(trace)
         for token, source in emitted:
             seq.append(token)
             new.append(token)
@@ -171,11 +175,14 @@ def generate(
             stop = stopper.reason(new)
             if stop:
                 break
+        if on_step is not None and on_step(trace[step_start:]) is False and stop is None:
+            stop = "cancelled"
 
     wall = time.perf_counter() - start
     stats["forward_s"] = sum(m.forward_s for m in models) - forward_before_loop
     stats["prefill_forward_s"] = forward_before_loop - forward_before
     stats["stop_reason"] = stop or "max_tokens"
+    stats["prompt_tokens"] = len(prompt_ids)
     text = target.tokenizer.decode(new, skip_special_tokens=True)
     return Generation(new, text, finish_stats(stats, len(new), wall), trace)
 

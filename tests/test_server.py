@@ -1,0 +1,169 @@
+"""`pivotspec serve` on 127.0.0.1, driven by the official openai client and plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    import uvicorn
+
+    from pivotspec import api
+    from pivotspec.server import Settings, create_app
+
+    pair = api.load_pair(str(tiny_dir["llama_target"]), str(tiny_dir["llama_draft"]))
+    settings = Settings(model="tiny", method="sd", classifier="const:0.3", max_queue=1, api_key=KEY, max_tokens=16)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(pair, settings), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(100):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}", "pair": pair}
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0)
+
+
+def http(server, path, body=None, key=KEY, method=None):
+    req = urllib.request.Request(server["url"] + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **({"Authorization": f"Bearer {key}"} if key else {})}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_chat_completion_equals_generate(server, client):
+    from pivotspec import api
+
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1 w2 w3"}],
+                                         max_tokens=12, extra_body={"method": "sd", "gamma": 3})
+    gen = api.generate(server["pair"], messages=[{"role": "user", "content": "w1 w2 w3"}], method="sd", gamma=3,
+                       max_new_tokens=12)
+    assert out.choices[0].message.content == gen.text
+    assert out.usage.completion_tokens == gen.stats["new_tokens"]
+    spec = out.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_draft_tokens"] == gen.stats["drafted"] and spec["num_accepted_tokens"] == gen.stats["accepted"]
+
+
+def test_completions_and_pad_extra_fields(client):
+    out = client.completions.create(model="tiny", prompt="w4 w5", max_tokens=8,
+                                    extra_body={"method": "pad", "sigma": 1.0, "gamma": 4})
+    spec = out.model_extra["metrics"]["speculative_decoding"]
+    assert out.model_extra["metrics"]["method"] == "pad" and out.usage.completion_tokens == 8
+    assert spec["pad_overrides"] > 0  # const:0.3 <= sigma 1: every SD rejection with p >= tau is kept
+
+
+def test_streaming_chat_with_usage(client):
+    from pivotspec import api  # noqa: F401
+
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "w1 w2 w3"}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, extra_body={"method": "sd", "gamma": 3}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1 w2 w3"}],
+                                           max_tokens=12, extra_body={"method": "sd", "gamma": 3})
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and chunks[-1].choices == []
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def test_streaming_completions(client):
+    chunks = list(client.completions.create(model="tiny", prompt="w4 w5", max_tokens=6, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) and chunks[-1].choices[0].finish_reason
+
+
+def test_error_statuses(server):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 4}
+    assert http(server, "/health", key=None)[0] == 200
+    assert http(server, "/v1/models", key=None)[0] == 401
+    assert http(server, "/v1/models", key="wrong")[0] == 401
+    status, body = http(server, "/v1/chat/completions", {**chat, "model": "other"})
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+    for bad in ({"messages": "hi"}, {"temperature": float("inf")}, {"n": 2}, {"stop": [""]}, {"method": "nope"},
+                {"max_tokens": -1}, {"sigma": 2}):
+        status, body = http(server, "/v1/chat/completions", {**chat, **bad})
+        assert status == 400 and "Traceback" not in body and json.loads(body)["error"]["message"], bad
+    assert http(server, "/v1/models")[0] == 200 and http(server, "/metrics")[0] == 200
+
+
+def test_full_queue_answers_429_and_metrics_add_up(server):
+    from pivotspec.server.app import Server  # noqa: F401
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 16, "method": "sd"}
+    before = http(server, "/metrics")[1]
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(http(server, "/v1/chat/completions", body)))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(code for code, _ in results)
+    assert 429 in codes and 200 in codes  # max_queue 1: one running, one waiting, the rest refused
+    after = http(server, "/metrics")[1]
+
+    def counter(text, name):
+        return int(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"pivotspec:{name}_total")))
+
+    drafted = sum(json.loads(b)["metrics"]["speculative_decoding"]["num_draft_tokens"] for c, b in results if c == 200)
+    assert counter(after, "spec_decode_num_draft_tokens") - counter(before, "spec_decode_num_draft_tokens") == drafted
+
+
+def test_disconnect_mid_stream_stops_the_decode(server, monkeypatch):
+    """A client that goes away mid-stream stops its decode within a step: with forwards slowed to 20 ms, the
+    480-token decode it asked for would take ~10 s, but the worker is free again within a second or two."""
+    target = server["pair"].target
+    calls = []
+    real_forward = target.forward
+
+    def slow_forward(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.02)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", slow_forward)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 480,
+                       "stream": True, "method": "ar"}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(server["url"].rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    while b'"content"' not in received:  # a token has arrived: the decode is under way
+        received += sock.recv(4096)
+    sock.close()
+    closed_at = time.time()
+    while time.time() - closed_at < 10 and "pivotspec:num_requests_running 0" not in http(server, "/metrics")[1]:
+        time.sleep(0.05)
+    assert time.time() - closed_at < 3 and len(calls) < 200
+    monkeypatch.setattr(target, "forward", real_forward)
+    assert http(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
+                                                 "max_tokens": 2})[0] == 200
