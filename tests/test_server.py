@@ -167,3 +167,70 @@ def test_disconnect_mid_stream_stops_the_decode(server, monkeypatch):
     monkeypatch.setattr(target, "forward", real_forward)
     assert http(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
                                                  "max_tokens": 2})[0] == 200
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pivotspec.cli", "serve", "--target", str(tiny_dir["llama_target"]),
+                             "--draft", str(tiny_dir["llama_draft"]), "--method", "sd", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        result = {}
+        body = {"model": str(tiny_dir["llama_target"]), "messages": [{"role": "user", "content": "w1"}],
+                "max_tokens": 200}
+        worker = threading.Thread(target=lambda: result.update(reply=http({"url": url}, "/v1/chat/completions",
+                                                                          body, key=None)))
+        worker.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        worker.join(timeout=40)
+        out, err = proc.communicate(timeout=40)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert result["reply"][0] == 200  # the request in flight was finished, not dropped
+
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def test_playground_streams_coloured_tokens_in_a_real_browser(server):
+    import os
+
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("PIVOTSPEC_REQUIRE_BROWSER"):
+            pytest.fail("Debian's chromium is required for the playground test (install.sh installs it as root)")
+        pytest.skip("Debian's chromium is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page()
+            page.goto(server["url"] + "/")
+            page.fill("#prompt", "w1 w2 w3")
+            page.fill("#key", KEY)
+            page.select_option("#method", "pad")
+            page.fill("#max", "24")
+            page.click("#go")
+            page.wait_for_function("document.querySelector('#stats').textContent.includes('acceptance rate')",
+                                   timeout=30000)
+            sources = page.eval_on_selector_all("#out span.tok", "els => els.map(e => e.title)")
+        finally:
+            browser.close()
+    assert len(sources) == 24 and set(sources) <= {"accepted", "override", "corrected", "bonus"}
+    assert "override" in sources  # const:0.3 <= the default sigma 0.5: PAD's overrides are coloured as such
