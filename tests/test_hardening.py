@@ -102,3 +102,11 @@ def test_gguf_conversions_are_keyed_by_content(tmp_path, monkeypatch):
         (tmp_path / sub / "model.gguf").write_bytes(content)
         models.resolve(str(tmp_path / sub / "model.gguf"))
     assert len(set(made)) == 2  # same file name, different content: two conversions, never the old one
+
+
+def test_truncated_gguf_is_a_one_line_error(smollm2, tmp_path, capsys):
+    from pivotspec.models import _smollm2_gguf
+
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(_smollm2_gguf().read_bytes()[: 1 << 20])  # the header and the start of the tensors
+    one_line_error(capsys, ["generate", "--target", str(cut), "--prompt", "x"], "not a readable GGUF")
