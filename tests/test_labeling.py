@@ -276,3 +276,31 @@ def test_progress_eta_ignores_resumed_problems(capsys):
     assert "problems 6/10" in line and "candidates 2" in line
     assert "ETA 4.0 min" in line  # 1 problem per minute, 4 to go
     assert "0.7 rollouts/s" in line
+
+
+def test_shards_cover_each_problem_once_and_merge_to_the_unsharded_run(tiny_dir, tmp_path, capsys):
+    t, d = str(tiny_dir["llama_target"]), str(tiny_dir["llama_draft"])
+    base = ["label", "--target", t, "--draft", d, "--task", "arith", "--n-problems", "6", "--rollouts", "2",
+            "--max-rollout-tokens", "3", "--max-walk-tokens", "5", "--min-target-rate", "-1"]
+    assert main([*base, "--out", str(tmp_path / "all.jsonl")]) == 0
+    shards = [tmp_path / f"s{i}.jsonl" for i in range(3)]
+    for i, path in enumerate(shards):
+        assert main([*base, "--shard", f"{i}/3", "--out", str(path)]) == 0
+    owners = [{r["problem_id"] for r in store.read_records(p) if r["type"] == "problem"} for p in shards]
+    assert sum(map(len, owners)) == 6 and len(set().union(*owners)) == 6  # each problem in exactly one shard
+    merged = tmp_path / "merged.jsonl"
+    assert main(["labels", "merge", str(merged), *map(str, shards), str(shards[0])]) == 0  # a repeat is dropped
+
+    def key(rows):
+        return sorted((r["type"], r["problem_id"], r.get("step"), r.get("label"), r.get("u_acc"), r.get("u_rej"))
+                      for r in rows)
+
+    assert key(store.read_records(merged)) == key(store.read_records(tmp_path / "all.jsonl"))
+    capsys.readouterr()
+    assert main(["labels", "merge", str(merged), str(shards[0])]) == 2 and "--overwrite" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    assert main([*base, "--alpha", "0.3", "--n-problems", "1", "--out", str(other)]) == 0
+    capsys.readouterr()
+    assert main(["labels", "merge", str(tmp_path / "x.jsonl"), str(shards[0]), str(other)]) == 2
+    assert "different config" in capsys.readouterr().err
+    assert main([*base, "--shard", "3/3", "--out", str(other)]) == 2

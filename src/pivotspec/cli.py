@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--out", type=Path, required=True, help="labels JSONL (appended; reruns resume)")
     lab.add_argument("--overwrite", action="store_true", help="start the file over instead of resuming")
     lab.add_argument("--seed", type=int, default=0, help="problem order and rollout seed")
+    lab.add_argument("--shard", help="I/N: label only shard I of N of the problems (by a hash of their ids) into "
+                     "--out; join the shard files with `pivotspec labels merge`")
     add_chat_args(lab)
     lab.set_defaults(func=cmd_label)
 
@@ -182,11 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     labels = sub.add_parser("labels", help="inspect a labels file")
     labels_sub = labels.add_subparsers(dest="labels_command", required=True, parser_class=_Parser,
-                                       metavar="{stats}", title="subcommands")
+                                       metavar="{stats,merge}", title="subcommands")
     st = labels_sub.add_parser("stats", help="counts, pivot share, U distributions, candidates per problem")
     st.add_argument("file", type=Path)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_labels_stats)
+    mg = labels_sub.add_parser("merge", help="join labels files of one run (e.g. shards), de-duplicated")
+    mg.add_argument("out", type=Path, help="merged labels file (written whole, then renamed)")
+    mg.add_argument("inputs", type=Path, nargs="+", help="labels files to join")
+    mg.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    mg.set_defaults(func=cmd_labels_merge)
     return parser
 
 
@@ -339,7 +346,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_label(args: argparse.Namespace) -> None:
-    from pivotspec.labeling import LabelConfig, label_stats
+    from pivotspec.labeling import LabelConfig, label_stats, parse_shard
     from pivotspec.tasks import get_task
 
     config = dict(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
@@ -349,13 +356,21 @@ def cmd_label(args: argparse.Namespace) -> None:
     if args.n_problems < 1:
         raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
     get_task(args.task)
+    shard = parse_shard(args.shard) if args.shard else None
     pair = load_pair(args, needs_draft=True)
     records = api.label(pair, args.out, task=args.task, split=args.split, n_problems=args.n_problems,
                         overwrite=args.overwrite, judge=args.judge, chat_template_kwargs=args.chat_template_kwargs,
-                        **config)
+                        shard=shard, **config)
     s = label_stats(records)
     print(f"{args.out}: {s['candidates']} candidates, {s['pivots']} pivots, "
           f"{s['problems_done']} problems done, {s['problems_skipped']} skipped")
+
+
+def cmd_labels_merge(args: argparse.Namespace) -> None:
+    from pivotspec.labeling import merge_labels
+
+    n = merge_labels(args.out, args.inputs, args.overwrite)
+    print(f"{args.out}: {n['candidates']} candidates, {n['problems']} problems from {len(args.inputs)} files")
 
 
 def cmd_labels_stats(args: argparse.Namespace) -> None:

@@ -261,7 +261,7 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
             "draft": model_identity(draft), "judge": judge.name if judge else None}
     existing = read_records(out)
     for rec in existing[:1]:
-        mine = {k: rec.get(k) for k in ("task", "config", "target", "draft", "judge")}
+        mine = {k: rec.get(k) for k in IDENTITY}
         theirs = {k: base[k] for k in mine}
         if mine != theirs:
             diff = sorted(k for k in mine if mine[k] != theirs[k])
@@ -291,6 +291,67 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
     if bar:
         print(file=sys.stderr)
     return read_records(out)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard must look like I/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= i < n:
+        raise UsageError(f"--shard I/N needs 0 <= I < N, got {text!r}")
+    return i, n
+
+
+def in_shard(problem_id: str, shard: tuple[int, int] | None) -> bool:
+    """Whether a problem belongs to shard (I, N): by a hash of its id, so the split does not depend on
+    how many problems a run asks for, and N workers together cover every problem exactly once."""
+    if shard is None:
+        return True
+    digest = hashlib.sha256(problem_id.encode()).digest()
+    return int.from_bytes(digest[:8], "little") % shard[1] == shard[0]
+
+
+IDENTITY = ("task", "config", "target", "draft", "judge")
+
+
+def merge_labels(out: Path, inputs: list[Path], overwrite: bool = False) -> dict[str, int]:
+    """Join labels files (e.g. one per shard) into ``out``: records de-duplicated by (problem, step) for
+    candidates and by problem for summaries; files made with another task, label config or models are
+    refused. ``out`` is written whole to a temporary file and renamed, so a failed merge leaves nothing."""
+    import json
+    import os
+
+    from pivotspec.store import read_records
+
+    if out.exists() and not overwrite:
+        raise UsageError(f"{out} exists: pass --overwrite to replace it, or choose another output")
+    identity, source, seen, merged = None, None, set(), []
+    for path in inputs:
+        if not Path(path).is_file():
+            raise UsageError(f"labels file {str(path)!r} does not exist: check the path")
+        records = read_records(Path(path), repair=False)
+        for rec in records:
+            mine = {k: rec.get(k) for k in IDENTITY}
+            if identity is None:
+                identity, source = mine, path
+            elif mine != identity:
+                diff = sorted(k for k in IDENTITY if mine[k] != identity[k])
+                raise UsageError(f"{path} was made with a different {', '.join(diff)} than {source}: merge only "
+                                 "shards of one labeling run")
+            key = (rec.get("type"), rec["problem_id"], rec.get("step"))
+            if key not in seen:
+                seen.add(key)
+                merged.append(rec)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in merged)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(out)
+    return {"records": len(merged), "candidates": sum(r.get("type") == "candidate" for r in merged),
+            "problems": sum(r.get("type") == "problem" for r in merged)}
 
 
 def label_stats(records: list[dict]) -> dict:
