@@ -68,3 +68,33 @@ def test_unknown_task_and_split_are_one_line_errors():
         get_task("nope")
     with pytest.raises(UsageError, match="unknown split"):
         get_task("arith").problems("dev", 1)
+
+
+def test_arith_hard_splits_checker_and_two_wording_styles():
+    import random
+    from collections import Counter
+
+    from pivotspec.tasks import get_task
+    from pivotspec.tasks.arith_hard import _skeleton_split, solution_text
+
+    task = get_task("arith-hard")
+    seen = {}
+    for split in ("train", "validation", "test"):
+        for p in task.problems(split, 60):
+            key = (p.meta["start"], tuple(map(tuple, p.meta["ops"])))
+            assert _skeleton_split(*key[:1], list(key[1])) == split and seen.setdefault(key, split) == split
+            assert 0 <= p.answer <= 999 and p.meta["steps"] in (3, 4)
+            assert task.score(p, p.meta["solution"]) == 1.0 and task.score(p, "The answer is -1.") == 0.0
+    problem = task.problems("train", 1)[0]
+    rng = random.Random(0)
+    by_style = {style: [solution_text(problem.meta["start"], problem.meta["ops"], problem.meta["name"],
+                                      problem.meta["object"], rng, style) for _ in range(400)]
+                for style in ("target", "draft")}
+    for texts in by_style.values():
+        assert all(task.score(problem, t) == 1.0 for t in texts)  # every wording states the right answer
+    first_steps = {style: Counter(t.split(". ")[1] for t in texts) for style, texts in by_style.items()}
+    assert len(first_steps["target"]) >= 30  # many equivalent wordings of one step
+    assert max(first_steps["target"].values()) / 400 < 0.15  # none of them likely
+    total = sum(abs(first_steps["target"][k] - first_steps["draft"][k]) for k in
+                set(first_steps["target"]) | set(first_steps["draft"])) / 800
+    assert total > 0.4  # the draft's style is a different distribution over the same kind of sentences

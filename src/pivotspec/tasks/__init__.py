@@ -21,6 +21,12 @@ def _arith(data: str | None) -> Task:
     return ArithTask()
 
 
+def _arith_hard(data: str | None) -> Task:
+    from pivotspec.tasks.arith_hard import ArithHardTask
+
+    return ArithHardTask()
+
+
 def _dataset(cls_name: str) -> Callable[[str | None], Task]:
     def make(data: str | None) -> Task:
         from pivotspec.tasks import datasets
@@ -31,8 +37,8 @@ def _dataset(cls_name: str) -> Callable[[str | None], Task]:
 
 
 TASKS: dict[str, Callable[[str | None], Task]] = {
-    "arith": _arith, "humaneval": _dataset("HumanEval"), "gsm8k": _dataset("GSM8K"), "mbpp": _dataset("MBPP"),
-    "jsonl": _dataset("JSONLTask"),
+    "arith": _arith, "arith-hard": _arith_hard, "humaneval": _dataset("HumanEval"), "gsm8k": _dataset("GSM8K"),
+    "mbpp": _dataset("MBPP"), "jsonl": _dataset("JSONLTask"),
 }
 
 
