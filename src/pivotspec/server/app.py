@@ -227,7 +227,8 @@ def create_app(pair: api.Pair, settings: Settings) -> FastAPI:
                 raise APIError(400, str(exc)) from None
             return JSONResponse(response_body(gen, args, rid, created, chat, arrived, server))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(stream(server, tokenizer, args, rid, created, chat, include_usage, arrived, loop),
+        job = start_job(server, args, loop)  # queued now: admitted requests always leave the queue
+        return StreamingResponse(stream(server, tokenizer, args, rid, created, chat, include_usage, arrived, job),
                                  media_type="text/event-stream")
 
     def response_body(gen: Any, args: dict, rid: str, created: int, chat: bool, arrived: float,
@@ -262,9 +263,15 @@ def usage(stats: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + stats["new_tokens"]}
 
 
-async def stream(server: Server, tokenizer: Any, args: dict, rid: str, created: int, chat: bool,
-                 include_usage: bool, arrived: float, loop: asyncio.AbstractEventLoop) -> Any:
-    """SSE chunks as the decode emits tokens; a disconnect (the generator closed) cancels the decode."""
+@dataclass
+class Job:
+    events: asyncio.Queue
+    cancelled: threading.Event
+    future: asyncio.Future
+
+
+def start_job(server: Server, args: dict, loop: asyncio.AbstractEventLoop) -> Job:
+    """Queue a streaming decode on the worker; its steps arrive as events, ``cancelled`` stops it."""
     events: asyncio.Queue = asyncio.Queue()
     cancelled = threading.Event()
 
@@ -279,6 +286,13 @@ async def stream(server: Server, tokenizer: Any, args: dict, rid: str, created: 
         except Exception as exc:  # reported in-band: the response has already started
             loop.call_soon_threadsafe(events.put_nowait, ("error", exc))
 
+    return Job(events, cancelled, loop.run_in_executor(server.worker, run))
+
+
+async def stream(server: Server, tokenizer: Any, args: dict, rid: str, created: int, chat: bool,
+                 include_usage: bool, arrived: float, job: Job) -> Any:
+    """SSE chunks as the decode emits tokens; a disconnect (the generator closed) cancels the decode."""
+    events, cancelled, future = job.events, job.cancelled, job.future
     obj = "chat.completion.chunk" if chat else "text_completion"
     hold = max((len(s) for s in args["stop"]), default=1) - 1  # never send the start of a stop string
 
@@ -293,7 +307,6 @@ async def stream(server: Server, tokenizer: Any, args: dict, rid: str, created: 
             body["pivotspec"] = {"tokens": tokens}
         return f"data: {json.dumps(body)}\n\n"
 
-    future = loop.run_in_executor(server.worker, run)
     ids: list[int] = []
     sent, first = "", True
     try:
