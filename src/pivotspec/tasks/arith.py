@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from typing import Any
 
 from pivotspec.errors import UsageError
 from pivotspec.tasks.base import Problem
@@ -110,15 +111,27 @@ def _draw_chain(rng: random.Random) -> tuple[int, list[tuple[str, int]]]:
     return start, ops
 
 
+def draw_in_split(task: str, split: str, seed: int, index: int, draw: Any,
+                  skeleton_split: Any) -> tuple[random.Random, int, list[tuple[str, int]]]:
+    """The generator of problem ``index`` and the first chain it draws whose skeleton belongs to ``split``."""
+    if split not in SPLITS:
+        raise UsageError(f"unknown split {split!r} for task {task}: choose one of {', '.join(SPLITS)}")
+    rng = random.Random(f"{task}/{split}/{seed}/{index}")
+    while True:
+        start, ops = draw(rng)
+        if skeleton_split(start, ops) == split:
+            return rng, start, ops
+
+
+def word_problem(task: str, split: str, seed: int, index: int, text: str, answer: int, meta: dict) -> Problem:
+    return Problem(id=f"{task}-{split}-{seed}-{index}", prompt=f"{SYSTEM}\nQuestion: {text}\nAnswer:",
+                   messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+                   answer=answer, meta=meta)
+
+
 def make_problem(split: str, seed: int, index: int) -> Problem:
     """The ``index``-th problem of ``split`` for ``seed`` (deterministic)."""
-    if split not in SPLITS:
-        raise UsageError(f"unknown split {split!r} for task arith: choose one of {', '.join(SPLITS)}")
-    rng = random.Random(f"arith/{split}/{seed}/{index}")
-    while True:
-        start, ops = _draw_chain(rng)
-        if _skeleton_split(start, ops) == split:
-            break
+    rng, start, ops = draw_in_split("arith", split, seed, index, _draw_chain, _skeleton_split)
     name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
     question = [rng.choice(START_Q).format(n=name, a=start, o=obj)]
     solution = [rng.choice(START_S).format(n=name, a=start, o=obj)]
@@ -130,14 +143,9 @@ def make_problem(split: str, seed: int, index: int) -> Problem:
         x = y
     question.append(rng.choice(FINAL_Q).format(n=name, o=obj))
     solution.append(f"The answer is {x}.")
-    text = " ".join(question)
-    return Problem(
-        id=f"arith-{split}-{seed}-{index}",
-        prompt=f"{SYSTEM}\nQuestion: {text}\nAnswer:",
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
-        answer=x,
-        meta={"solution": " ".join(solution), "steps": len(ops), "start": start, "ops": [op for op, _ in ops]},
-    )
+    return word_problem("arith", split, seed, index, " ".join(question), x,
+                        {"solution": " ".join(solution), "steps": len(ops), "start": start,
+                         "ops": [op for op, _ in ops]})
 
 
 _ANSWER = re.compile(r"answer is\s*(-?\d+)", re.IGNORECASE)

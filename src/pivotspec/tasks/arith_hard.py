@@ -18,8 +18,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from pivotspec.errors import UsageError
-from pivotspec.tasks.arith import FINAL_Q, NAMES, OBJECTS, SPLITS, START_Q, extract_answer
+from pivotspec.tasks.arith import FINAL_Q, NAMES, OBJECTS, SPLITS, START_Q, draw_in_split, extract_answer, word_problem
 from pivotspec.tasks.base import Problem
 
 MAX_VALUE = 999
@@ -110,13 +109,7 @@ def solution_text(start: int, ops: list[tuple[str, int]], name: str, obj: str, r
 def make_problem(split: str, seed: int, index: int) -> Problem:
     """The ``index``-th problem of ``split`` for ``seed`` (deterministic); ``meta`` keeps the skeleton so
     a solution can be rendered in either style."""
-    if split not in SPLITS:
-        raise UsageError(f"unknown split {split!r} for task arith-hard: choose one of {', '.join(SPLITS)}")
-    rng = random.Random(f"arith-hard/{split}/{seed}/{index}")
-    while True:
-        start, ops = _draw_chain(rng)
-        if _skeleton_split(start, ops) == split:
-            break
+    rng, start, ops = draw_in_split("arith-hard", split, seed, index, _draw_chain, _skeleton_split)
     name, obj = rng.choice(NAMES), rng.choice(OBJECTS)
     question = [rng.choice(START_Q).format(n=name, a=start, o=obj)]
     question += [rng.choice(QUESTION[op]).format(n=name, b=b, o=obj) for op, b in ops]
@@ -124,15 +117,9 @@ def make_problem(split: str, seed: int, index: int) -> Problem:
     answer = start
     for op, b in ops:
         answer = _apply(op, answer, b)
-    text = " ".join(question)
-    return Problem(
-        id=f"arith-hard-{split}-{seed}-{index}",
-        prompt=f"{SYSTEM}\nQuestion: {text}\nAnswer:",
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
-        answer=answer,
-        meta={"solution": solution_text(start, ops, name, obj, rng), "start": start, "ops": ops, "name": name,
-              "object": obj, "steps": len(ops)},
-    )
+    return word_problem("arith-hard", split, seed, index, " ".join(question), answer,
+                        {"solution": solution_text(start, ops, name, obj, rng), "start": start, "ops": ops,
+                         "name": name, "object": obj, "steps": len(ops)})
 
 
 class ArithHardTask:
