@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from pivotspec.decoding import decode
-from pivotspec.labeling import batched_rollouts, seeded_generator
+from pivotspec.labeling import seeded_generator
 from pivotspec.models import eos_ids, load_lm
+from pivotspec.rollouts import batched_rollouts
 from pivotspec.sampling import SamplingConfig
 from pivotspec.tasks import encode_problem, get_task
 

@@ -200,3 +200,32 @@ def test_model_inputs_read_d_at_its_own_row_and_p_at_the_predicting_row():
     q = torch.tensor([[0.1, 0.8, 0.1], [0.3, 0.3, 0.4]])
     _, s4 = clf.model_inputs("extended", hidden, probs, torch.tensor([1, 2]), lambda: q)
     torch.testing.assert_close(s4[:, 3], torch.tensor([0.8, 0.4]))
+
+
+def test_labels_stats_measures_how_well_p_d_alone_separates_pivots(trained, tiny_dir, tmp_path, capsys):
+    """Parity labels: p(d) knows nothing of them (AUROC near 0.5), and the classifier is scored on the very
+    report split its training reported on; labels made from p(d) itself: the p(d) reference separates them."""
+    from pivotspec.classifier_training import probability_properties
+
+    target, labels, clf_dir, config = trained
+    parity = probability_properties(labels, target, clf_dir)
+    assert parity["classifier_trained_on_this_file"]
+    assert parity["report_auroc_classifier"] == pytest.approx(config["metrics"]["report"]["auroc"], abs=1e-6)
+    assert parity["report_auroc_p_d"] == pytest.approx(config["references"]["logreg_p"]["report"]["auroc"], abs=1e-6)
+    assert abs(parity["report_auroc_p_d"] - 0.5) < 0.3
+    p_d = features.extract(target, [json.loads(x) for x in labels.read_text().splitlines()], 2)["scalars"][:, 1]
+    cut = float(p_d.median())
+    rows = [json.loads(x) for x in labels.read_text().splitlines()]
+    for r, p in zip(rows, p_d.tolist(), strict=True):
+        r["label"] = int(p < cut)
+    by_p = tmp_path / "by_p.jsonl"
+    by_p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    props = probability_properties(by_p, target, threshold=cut)
+    assert props["report_auroc_p_d"] > 0.99
+    assert props["harmless_low_p"] == 0.0 and props["pivots_high_p"] == 0.0
+    assert main(["labels", "stats", str(labels), "--target", str(tiny_dir["llama_target"]), "--classifier",
+                 str(clf_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "among non-pivots" in out and "AUROC: p(d) only" in out and "classifier" in out
+    assert main(["labels", "stats", str(labels), "--classifier", str(clf_dir)]) == 2
+    assert "needs the target" in capsys.readouterr().err

@@ -6,7 +6,7 @@ The documented surface (see README, "Python API"): ``load_pair``, ``generate``, 
 
 from importlib.metadata import PackageNotFoundError, version
 
-from pivotspec.api import Pair, evaluate, generate, label, load_pair, train_classifier
+from pivotspec.api import Pair, evaluate, generate, label, label_on_ray, load_pair, train_classifier
 from pivotspec.evaluation import EvalSettings
 from pivotspec.testbed.artifacts import register as _register_testbed
 
@@ -17,5 +17,5 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 _register_testbed()
 
-__all__ = ["EvalSettings", "Pair", "evaluate", "generate", "label", "load_pair", "train_classifier",
+__all__ = ["EvalSettings", "Pair", "evaluate", "generate", "label", "label_on_ray", "load_pair", "train_classifier",
            "__version__"]

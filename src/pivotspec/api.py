@@ -159,6 +159,26 @@ def label(pair: Pair, out: str | Path, *, task: str = "arith", split: str = "tra
                         split=split, chat_template_kwargs=chat_template_kwargs)
 
 
+def label_on_ray(out: str | Path, *, target: str | None = None, draft: str | None = None, pair: str | None = None,
+                 dtype: str | None = None, device: str | None = None, threads: int | None = None, workers: int = 2,
+                 address: str | None = None, overwrite: bool = False, **label_args: Any) -> dict[str, int]:
+    """``label`` spread over a Ray cluster (``address``, or a local one): ``workers`` shards, each a Ray task
+    that loads the pair itself and resumes from its shard file; merged into ``out`` at the end. Takes model
+    names, not a loaded pair, because the models are loaded where the tasks run. Returns the merge counts."""
+    from pivotspec.cluster import label_on_ray as run
+    from pivotspec.cluster import shard_path
+
+    resolve_names(target, draft, pair, needs_draft=True)  # unknown names fail here, not in every worker
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    out = Path(out)
+    if overwrite:
+        for path in [out] + [shard_path(out, i, workers) for i in range(workers)]:
+            path.unlink(missing_ok=True)
+    pair_args = dict(target=target, draft=draft, pair=pair, dtype=dtype, device=device, threads=threads)
+    return run(pair_args, out, workers, label_args, address=address)
+
+
 def train_classifier(pair: Pair, labels: str | Path, out: str | Path, *, overwrite: bool = False,
                      **options: Any) -> dict[str, Any]:
     """Train, calibrate and save a pivot classifier (``classifier_training.train_from_labels`` options:

@@ -199,3 +199,43 @@ def evaluate_on_labels(classifier_dir: Path, labels: Path, target: LM, draft: LM
               "references": {k: v["auroc"] for k, v in reference_reports(refs, feats, mask).items()}}
     metrics.plot_curves(scores, feats["labels"][mask], plots, title=labels.stem)
     return {**result, "plots": str(plots)}
+
+
+def probability_properties(labels: Path, target: LM, classifier_dir: Path | None = None, layer: int = -1,
+                           split_seed: int = 0, threshold: float = 0.1) -> dict[str, Any]:
+    """How far the target's probability of the draft token, p(d), alone tells pivots from harmless
+    candidates (issue 16's regime test): the share of non-pivots with p(d) < ``threshold``, the share of
+    pivots with p(d) > ``threshold``, and on the report split (the training protocol's split by problem)
+    the AUROC of the p(d)-only logistic reference, fitted on the train split, and of ``classifier_dir``'s
+    classifier when given (its layer, filters and split seed are used then)."""
+    from pivotspec.store import read_records
+
+    if not labels.is_file():
+        raise UsageError(f"labels file {str(labels)!r} does not exist: check the path")
+    records = read_records(labels, repair=False)
+    check_labels_target(records, target, labels)
+    net, config, filters = None, None, Filters()
+    if classifier_dir is not None:
+        net, config = clf.load(classifier_dir)
+        clf.check_compatible(config, target)
+        if config["type"] == "extended":
+            raise UsageError("this classifier reads draft scalars; labels stats scores extended_v2, mlp and linear")
+        layer, split_seed, filters = config["layer"], config.get("split_seed", 0), Filters(**config["filters"])
+    feats = features.extract(target, records, target.resolve_layer(layer), cache_key=features.file_hash(labels))
+    keep = filters.mask(feats)
+    feats = {k: v[keep] for k, v in feats.items()}
+    y, p_d = feats["labels"], feats["scalars"][:, 1]
+    split = features.split_by_problem(feats["group"], seed=split_seed)
+    _check_classes(y, split)
+    rep = split == 2
+    ref = {"columns": [1], **clf.fit_logistic(feats["scalars"][split == 0][:, [1]], y[split == 0])}
+    out = {"candidates": len(y), "threshold": threshold,
+           "harmless_low_p": float((p_d[y == 0] < threshold).float().mean()) if (y == 0).any() else None,
+           "pivots_high_p": float((p_d[y == 1] > threshold).float().mean()) if (y == 1).any() else None,
+           "report_candidates": int(rep.sum()),
+           "report_auroc_p_d": metrics.auroc(clf.logistic_scores(ref, feats["scalars"][rep][:, [1]]), y[rep])}
+    if net is not None:
+        out["report_auroc_classifier"] = metrics.auroc(clf.pivot_scores(net, *inputs(config["type"], feats, rep)),
+                                                       y[rep])
+        out["classifier_trained_on_this_file"] = config["labels"]["sha256_16"] == features.file_hash(labels)
+    return out

@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--seed", type=int, default=0, help="problem order and rollout seed")
     lab.add_argument("--shard", help="I/N: label only shard I of N of the problems (by a hash of their ids) into "
                      "--out; join the shard files with `pivotspec labels merge`")
+    lab.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                     help="who samples the rollouts: pivotspec's torch loop, or vLLM (./install.sh --with-vllm, or "
+                     "the official vllm on GPUs); the walk runs on torch either way")
+    lab.add_argument("--ray", action="store_true", help="label --workers shards as Ray tasks and merge them into --out")
+    lab.add_argument("--ray-address", help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a "
+                     "local cluster started for the run")
+    lab.add_argument("--workers", type=int, default=2, help="shards (Ray tasks) with --ray")
     add_chat_args(lab)
     lab.set_defaults(func=cmd_label)
 
@@ -188,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     st = labels_sub.add_parser("stats", help="counts, pivot share, U distributions, candidates per problem")
     st.add_argument("file", type=Path)
     st.add_argument("--json", action="store_true")
+    st.add_argument("--pair", help="with a target (--pair or --target): also how well p(d) alone separates pivots")
+    st.add_argument("--target", help="the target the labels were made with (see --pair)")
+    st.add_argument("--classifier", type=Path, help="also this classifier's report-split AUROC (with a target)")
+    st.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     st.set_defaults(func=cmd_labels_stats)
     mg = labels_sub.add_parser("merge", help="join labels files of one run (e.g. shards), de-duplicated")
     mg.add_argument("out", type=Path, help="merged labels file (written whole, then renamed)")
@@ -351,16 +362,26 @@ def cmd_label(args: argparse.Namespace) -> None:
 
     config = dict(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
                   max_rollout_tokens=args.max_rollout_tokens, mode=args.mode, alpha=args.alpha, follow=args.follow,
-                  min_target_rate=args.min_target_rate, max_walk_tokens=args.max_walk_tokens, seed=args.seed)
+                  min_target_rate=args.min_target_rate, max_walk_tokens=args.max_walk_tokens, seed=args.seed,
+                  engine=args.engine)
     LabelConfig(**config)  # argument errors before the (slow) model loading
     if args.n_problems < 1:
         raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
     get_task(args.task)
+    run = dict(task=args.task, split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
+               judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, **config)
+    if args.ray:
+        if args.shard:
+            raise UsageError("--ray makes its own shards: drop --shard (or run one shard per machine without --ray)")
+        merged = api.label_on_ray(args.out, target=args.target, draft=args.draft, pair=args.pair, dtype=args.dtype,
+                                  device=args.device, threads=args.threads, workers=args.workers,
+                                  address=args.ray_address, **run)
+        print(f"{args.out}: {merged['candidates']} candidates, {merged['problems']} problems from "
+              f"{args.workers} shards")
+        return
     shard = parse_shard(args.shard) if args.shard else None
     pair = load_pair(args, needs_draft=True)
-    records = api.label(pair, args.out, task=args.task, split=args.split, n_problems=args.n_problems,
-                        overwrite=args.overwrite, judge=args.judge, chat_template_kwargs=args.chat_template_kwargs,
-                        shard=shard, **config)
+    records = api.label(pair, args.out, shard=shard, **run)
     s = label_stats(records)
     print(f"{args.out}: {s['candidates']} candidates, {s['pivots']} pivots, "
           f"{s['problems_done']} problems done, {s['problems_skipped']} skipped")
@@ -380,6 +401,13 @@ def cmd_labels_stats(args: argparse.Namespace) -> None:
     if not args.file.is_file():
         raise UsageError(f"labels file {str(args.file)!r} does not exist: check the path")
     s = label_stats(read_records(args.file, repair=False))
+    if args.pair or args.target:
+        from pivotspec.classifier_training import probability_properties
+
+        pair = api.load_pair(args.target, pair=args.pair, device=args.device)
+        s["p_d"] = probability_properties(args.file, pair.target, args.classifier)
+    elif args.classifier:
+        raise UsageError("--classifier needs the target: pass --pair or --target")
     if args.json:
         print(json.dumps(s))
         return
@@ -397,6 +425,15 @@ def cmd_labels_stats(args: argparse.Namespace) -> None:
     if s["candidates"]:
         print("pivot share by rule: " + ", ".join(f"{r['mode']} {r['alpha']:g}: {r['pivot_share']:.3f}"
                                                   for r in s["rule_sweep"]))
+    if "p_d" in s:
+        p = s["p_d"]
+        print(f"p(d) < {p['threshold']:g} among non-pivots: {p['harmless_low_p']:.3f} | p(d) > {p['threshold']:g} "
+              f"among pivots: {p['pivots_high_p']:.3f}")
+        line = f"report split ({p['report_candidates']} candidates) AUROC: p(d) only {p['report_auroc_p_d']:.3f}"
+        if "report_auroc_classifier" in p:
+            note = "" if p["classifier_trained_on_this_file"] else " (classifier trained on another file)"
+            line += f", classifier {p['report_auroc_classifier']:.3f}{note}"
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:

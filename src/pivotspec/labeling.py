@@ -9,7 +9,6 @@ it is harmless (else t), so later candidates sit on trajectories PAD would actua
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import sys
 import time
@@ -22,7 +21,8 @@ import torch
 
 from pivotspec.errors import UsageError
 from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, argmax, logits_to_probs, sample
+from pivotspec.rollouts import ENGINES, RolloutEngine, TorchEngine, make_engine
+from pivotspec.sampling import SamplingConfig, argmax
 
 if TYPE_CHECKING:
     from pivotspec.tasks import Problem, Task
@@ -42,6 +42,7 @@ class LabelConfig:
     min_target_rate: float = 0.3  # screening: skip problems the target solves at <= this rate (< 0 disables)
     max_walk_tokens: int = 200
     seed: int = 0
+    engine: str = "torch"  # who samples the rollouts (rollouts.ENGINES); the walk always runs on torch
 
     def __post_init__(self) -> None:
         if self.rollouts < 1:
@@ -55,10 +56,17 @@ class LabelConfig:
             raise UsageError(f"--follow must be 'label' or 'target', got {self.follow!r}")
         if self.max_rollout_tokens < 1 or self.max_walk_tokens < 1:
             raise UsageError("--max-rollout-tokens and --max-walk-tokens must be >= 1")
+        if self.engine not in ENGINES:
+            raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         SamplingConfig(self.temperature, 0, self.top_p)  # validates temperature and top-p
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The config as stored with every label; the default engine is left out, so files labeled before
+        engines existed still resume and merge with torch-labeled ones."""
+        d = asdict(self)
+        if d["engine"] == "torch":
+            del d["engine"]
+        return d
 
 
 def is_pivot(u_acc: float, u_rej: float, mode: str, alpha: float) -> bool:
@@ -76,43 +84,6 @@ def seeded_generator(*parts: object, device: torch.device | str = "cpu") -> torc
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-@torch.inference_mode()
-def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
-                     stop_ids: set[int], generator: torch.Generator) -> list[list[int]]:
-    """One sampled continuation per entry of ``first_tokens`` (which it starts with), all after ``prefix``.
-
-    The prefix is run once (or reused from ``lm``'s cache), its KV cache is copied and repeated across the
-    batch, and finished rows leave the batch so they cost nothing more.
-    """
-    if lm.cached_ids != prefix:  # after a walk step the cache already holds exactly the prefix
-        lm.advance(prefix, keep_logits=1)
-    cache = copy.deepcopy(lm.cache)
-    cache.batch_repeat_interleave(len(first_tokens))
-    outs = [[t] for t in first_tokens]
-    active = [i for i, t in enumerate(first_tokens) if t not in stop_ids]
-    if active != list(range(len(first_tokens))):
-        cache.batch_select_indices(torch.tensor(active, device=lm.device))
-    inputs = torch.tensor([[first_tokens[i]] for i in active], device=lm.device)
-    for _ in range(max_tokens - 1):
-        if not active:
-            break
-        model_inputs = inputs if lm.input_map is None else lm.input_map[inputs]
-        logits = lm.model(input_ids=model_inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tokens = sample(logits_to_probs(lm.full_vocab(logits.float()), cfg), generator).tolist()
-        keep = []
-        for row, (i, tok) in enumerate(zip(active, tokens, strict=True)):
-            outs[i].append(tok)
-            if tok not in stop_ids:
-                keep.append(row)
-        if len(keep) < len(active):
-            active = [active[r] for r in keep]
-            if keep:
-                cache.batch_select_indices(torch.tensor(keep, device=lm.device))
-            tokens = [tokens[r] for r in keep]
-        inputs = torch.tensor([[t] for t in tokens], device=lm.device)
-    return outs
-
-
 def success_rates(task: Task, problem: Problem, tokenizer: Any, generated: list[int], conts: list[list[int]],
                   n: int) -> tuple[float, float, list[float]]:
     """Scores of the continuations; the first n follow d, the last n follow t."""
@@ -126,13 +97,13 @@ def model_identity(lm: LM) -> dict:
 
 
 def screen_rate(target: LM, task: Task, problem: Problem, prompt: list[int], cfg: LabelConfig,
-                stop_ids: set[int]) -> float:
+                stop_ids: set[int], engine: RolloutEngine | None = None) -> float:
     """The target's success rate from the prompt over N sampled completions."""
     gen = seeded_generator(cfg.seed, problem.id, "screen", device=target.device)
     scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
     # Continuations start with the prompt's last token (so they share one cached prefix); strip it again.
-    conts = batched_rollouts(target, prompt[:-1], [prompt[-1]] * cfg.rollouts, scfg, cfg.max_rollout_tokens + 1,
-                             stop_ids, gen)
+    engine = engine or TorchEngine(target)
+    conts = engine.rollouts(prompt[:-1], [prompt[-1]] * cfg.rollouts, scfg, cfg.max_rollout_tokens + 1, stop_ids, gen)
     texts = [target.tokenizer.decode(c[1:], skip_special_tokens=True) for c in conts]
     return sum(task.score(problem, t) for t in texts) / len(texts)
 
@@ -140,15 +111,16 @@ def screen_rate(target: LM, task: Task, problem: Problem, prompt: list[int], cfg
 def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: LabelConfig, stop_ids: set[int],
                   known: dict[int, dict], base: dict, emit: Callable[[dict], None],
                   judge: Callable[..., bool] | None = None,
-                  chat_template_kwargs: dict[str, Any] | None = None) -> dict:
+                  chat_template_kwargs: dict[str, Any] | None = None, engine: RolloutEngine | None = None) -> dict:
     """Walk one problem, emitting a record per new candidate; ``known`` holds candidates of an earlier
     run (by step) that are reused instead of rolled out again. Returns the problem's summary record."""
     from pivotspec.tasks import encode_problem
 
     prompt = encode_problem(target.tokenizer, problem, True, chat_template_kwargs)
     summary = {"type": "problem", "problem_id": problem.id, **base}
+    engine = engine or TorchEngine(target)
     if cfg.min_target_rate >= 0:
-        rate = screen_rate(target, task, problem, prompt, cfg, stop_ids)
+        rate = screen_rate(target, task, problem, prompt, cfg, stop_ids, engine)
         summary["target_rate"] = rate
         if rate <= cfg.min_target_rate:
             return {**summary, "status": "skipped", "candidates": 0}
@@ -173,7 +145,7 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
                 n = cfg.rollouts
                 started = time.perf_counter()
                 gen = seeded_generator(cfg.seed, problem.id, step, device=target.device)
-                conts = batched_rollouts(target, seq, [d] * n + [t] * n, scfg, cfg.max_rollout_tokens, stop_ids, gen)
+                conts = engine.rollouts(seq, [d] * n + [t] * n, scfg, cfg.max_rollout_tokens, stop_ids, gen)
                 u_acc, u_rej, scores = success_rates(task, problem, target.tokenizer, generated, conts, n)
                 label = is_pivot(u_acc, u_rej, cfg.mode, cfg.alpha)
                 rec = {"type": "candidate", "problem_id": problem.id, "step": step, "prefix_ids": seq,
@@ -281,13 +253,20 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
         if bar:
             bar.update(candidates=1, rollouts=rec["n_rollouts"])
 
-    for problem in problems:
-        resumed = problem.id in finished
-        if not resumed:
-            append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
-                                            known.get(problem.id, {}), base, emit, flip, chat_template_kwargs))
-        if bar:
-            bar.update(problems=int(not resumed), resumed=int(resumed))
+    todo = [p for p in problems if p.id not in finished]
+    engine = make_engine(cfg.engine, target, cfg.seed) if todo else None  # vLLM loads only if work is left
+    try:
+        for problem in problems:
+            resumed = problem.id in finished
+            if not resumed:
+                append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
+                                                known.get(problem.id, {}), base, emit, flip, chat_template_kwargs,
+                                                engine))
+            if bar:
+                bar.update(problems=int(not resumed), resumed=int(resumed))
+    finally:
+        if engine is not None:
+            engine.close()
     if bar:
         print(file=sys.stderr)
     return read_records(out)

@@ -193,6 +193,7 @@ class LM:
     cached_ids: list[int] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_s: float = 0.0  # wall seconds spent inside model forwards (for overhead accounting)
+    source: Path | str | None = None  # the directory it was loaded from (an engine such as vLLM reloads it)
 
     @property
     def num_layers(self) -> int:
@@ -327,8 +328,11 @@ def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None,
     map_file = Path(source) / VOCAB_MAP_FILE if isinstance(source, Path) else None
     if map_file is not None and map_file.is_file():
         info = json.loads(map_file.read_text())
-        return reduced_vocab_lm(spec, model, tokenizer, info["token_ids"], info["full_vocab_size"])
-    return LM(name=spec, model=model, tokenizer=tokenizer, vocab_size=int(model.config.vocab_size), device=dev)
+        lm = reduced_vocab_lm(spec, model, tokenizer, info["token_ids"], info["full_vocab_size"])
+        lm.source = source
+        return lm
+    return LM(name=spec, model=model, tokenizer=tokenizer, vocab_size=int(model.config.vocab_size), device=dev,
+              source=source)
 
 
 def reduced_vocab_lm(name: str, model: Any, tokenizer: Any, token_ids: list[int], full_vocab_size: int) -> LM:

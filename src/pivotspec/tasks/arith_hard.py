@@ -106,6 +106,16 @@ def solution_text(start: int, ops: list[tuple[str, int]], name: str, obj: str, r
     return " ".join(parts)
 
 
+def styled_solution(problem: Problem, style: str) -> str:
+    """``problem``'s worked solution in ``style``: the stored one for "target", otherwise a rendering of
+    the same skeleton whose wording draws depend only on the problem's id (deterministic per problem)."""
+    if style == "target":
+        return problem.meta["solution"]
+    m = problem.meta
+    rng = random.Random(f"{problem.id}|{style}")
+    return solution_text(m["start"], [tuple(op) for op in m["ops"]], m["name"], m["object"], rng, style)
+
+
 def make_problem(split: str, seed: int, index: int) -> Problem:
     """The ``index``-th problem of ``split`` for ``seed`` (deterministic); ``meta`` keeps the skeleton so
     a solution can be rendered in either style."""

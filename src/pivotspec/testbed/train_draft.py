@@ -20,7 +20,7 @@ import torch
 
 from pivotspec.models import VOCAB_MAP_FILE, quiet_transformers, smollm2_dir
 from pivotspec.tasks import encode_problem, get_task
-from pivotspec.testbed.train_target import batches, build_examples, warmup_cosine
+from pivotspec.testbed.train_target import STYLES, TASKS, batches, build_examples, warmup_cosine
 
 
 def task_vocabulary(examples) -> list[int]:
@@ -43,12 +43,13 @@ def make_config(n_rows: int, layers: int, hidden: int):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, token_ids: list[int], n: int, max_new_tokens: int = 160) -> float:
+def greedy_accuracy(model, tokenizer, token_ids: list[int], n: int, max_new_tokens: int = 160,
+                    task_name: str = "arith") -> float:
     """Greedy accuracy on validation problems, decoding in the draft's own row space."""
     from pivotspec.decoding import generate
     from pivotspec.models import reduced_vocab_lm
 
-    task = get_task("arith")
+    task = get_task(task_name)
     lm = reduced_vocab_lm("draft", model, tokenizer, token_ids, len(tokenizer))
     model.eval()
     correct = 0.0
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--eval-n", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", choices=TASKS, default="arith")
+    ap.add_argument("--style", choices=STYLES, default="target",
+                    help="wording of the solutions (arith-hard: 'draft' gives the draft its own style)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
 
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-    examples = build_examples(tokenizer, args.n_train, args.seed)
+    examples = build_examples(tokenizer, args.n_train, args.seed, args.task, args.style)
     token_ids = task_vocabulary(examples)
     rows = remap(examples, token_ids)
     model = LlamaForCausalLM(make_config(len(token_ids) + 1, args.layers, args.hidden))
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         opt.step()
         rec = {"step": step + 1, "loss": round(loss.item(), 4), "elapsed_s": round(time.time() - t0, 1)}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            rec["val_acc"] = greedy_accuracy(model, tokenizer, token_ids, args.eval_n)
+            rec["val_acc"] = greedy_accuracy(model, tokenizer, token_ids, args.eval_n, task_name=args.task)
             model.config.save_pretrained(args.out)
             state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
                      if k != "lm_head.weight"}  # tied to the embedding

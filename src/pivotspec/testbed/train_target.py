@@ -37,12 +37,28 @@ def warmup_cosine(step: int, steps: int, peak: float, warmup: int, floor: float)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def build_examples(tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    task = get_task("arith")
+TASKS = ("arith", "arith-hard")
+STYLES = ("target", "draft")
+
+
+def solution_for(task: str, problem, style: str) -> str:
+    """The worked solution a model is trained on: ``arith`` has one style; ``arith-hard`` renders the same
+    skeleton in the target's or the draft's wording distribution."""
+    if task == "arith-hard":
+        from pivotspec.tasks.arith_hard import styled_solution
+
+        return styled_solution(problem, style)
+    if style != "target":
+        raise SystemExit(f"task {task} has only the 'target' style; use --task arith-hard for --style {style}")
+    return problem.meta["solution"]
+
+
+def build_examples(tokenizer, n: int, seed: int, task: str = "arith",
+                   style: str = "target") -> list[tuple[list[int], list[int]]]:
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     out = []
-    for p in task.problems("train", n, seed):
-        answer = tokenizer(p.meta["solution"], add_special_tokens=False).input_ids + [eos]
+    for p in get_task(task).problems("train", n, seed):
+        answer = tokenizer(solution_for(task, p, style), add_special_tokens=False).input_ids + [eos]
         out.append((encode_problem(tokenizer, p), answer))
     return out
 
@@ -100,8 +116,8 @@ def batched_greedy(model, tokenizer, problems, batch_size: int = 25, max_new_tok
     return outputs
 
 
-def greedy_accuracy(model, tokenizer, split: str, n: int) -> float:
-    task = get_task("arith")
+def greedy_accuracy(model, tokenizer, split: str, n: int, task_name: str = "arith") -> float:
+    task = get_task(task_name)
     problems = task.problems(split, n, seed=0)
     outputs = batched_greedy(model, tokenizer, problems)
     return sum(task.score(p, tokenizer.decode(o, skip_special_tokens=True)) for p, o in zip(problems, outputs,
@@ -121,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=150)
     ap.add_argument("--eval-n", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", choices=TASKS, default="arith")
+    ap.add_argument("--style", choices=STYLES, default="target", help="wording of the solutions (arith-hard)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--init-from", type=Path, help="continue from saved adapters (target_lora.safetensors)")
     ap.add_argument("--data-offset", type=int, default=0,
@@ -149,11 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     warmup = max(1, args.steps // 20)
 
-    examples = build_examples(tokenizer, args.n_train + args.data_offset, args.seed)[args.data_offset:]
+    examples = build_examples(tokenizer, args.n_train + args.data_offset, args.seed, args.task, args.style)
+    examples = examples[args.data_offset:]
     stream = batches(examples, args.batch_size, random.Random(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
     log = (args.out / "train_log.jsonl").open("a")
-    config = {"base": "smollm2-135m-instruct", "rank": args.rank, "alpha": args.alpha,
+    config = {"base": "smollm2-135m-instruct", "task": args.task, "style": args.style, "rank": args.rank,
+              "alpha": args.alpha,
               "scale": args.alpha / args.rank, "top_layers": args.top_layers, "modules": list(lora.MODULES),
               "args": {k: str(v) for k, v in vars(args).items()}}
     model.train()
@@ -175,8 +195,10 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(rec))
             return
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            rec["val_acc"] = greedy_accuracy(model, tokenizer, "validation", args.eval_n)
+            rec["val_acc"] = greedy_accuracy(model, tokenizer, "validation", args.eval_n, args.task)
             save_file(lora.export_adapters(model, names), str(args.out / "target_lora.safetensors"))
+            # every evaluated checkpoint is kept, so the one with the wanted accuracy can be shipped
+            save_file(lora.export_adapters(model, names), str(args.out / f"target_lora.step{step + 1}.safetensors"))
             (args.out / "target_lora.json").write_text(json.dumps(config, indent=1))
         if (step + 1) % 10 == 0 or "val_acc" in rec:
             log.write(json.dumps(rec) + "\n")

@@ -1,0 +1,178 @@
+"""Rollout engines: the vLLM engine's protocol and order, and torch / vLLM labels that agree statistically."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pivotspec import store
+from pivotspec.errors import UsageError
+from pivotspec.labeling import LabelConfig
+from pivotspec.rollouts import VllmEngine, group_requests
+from pivotspec.sampling import SamplingConfig
+
+FAKE_VLLM = '''
+"""A stand-in for vllm's offline API: continuation j of a request is [base + j, base + j + 1, ...] with
+base = 100 * last prompt token, cut at max_tokens or after a stop id."""
+__version__ = "fake"
+
+
+class SamplingParams:
+    def __init__(self, n, temperature, top_p, top_k, max_tokens, stop_token_ids, detokenize):
+        self.n, self.max_tokens, self.stop = n, max_tokens, set(stop_token_ids)
+
+
+class Out:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class Result:
+    def __init__(self, outs):
+        self.outputs = outs
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        assert kwargs["enable_prefix_caching"] and kwargs["skip_tokenizer_init"]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        results = []
+        for prompt, p in zip(prompts, params):
+            base = 100 * prompt["prompt_token_ids"][-1]
+            outs = []
+            for j in range(p.n):
+                ids = []
+                for k in range(p.max_tokens):
+                    ids.append(base + j + k)
+                    if ids[-1] in p.stop:
+                        break
+                outs.append(Out(ids))
+            results.append(Result(outs))
+        return results
+'''
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake" / "vllm"
+    (pkg / "inputs").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (pkg / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                                 "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    engine = VllmEngine("/nowhere", python=sys.executable)
+    yield engine
+    engine.close()
+
+
+def test_group_requests_keeps_first_appearance_order():
+    assert group_requests([5, 5, 9, 5, 9, 2]) == [(5, 3), (9, 2), (2, 1)]
+
+
+def test_vllm_engine_protocol_order_and_stop_tokens(fake_vllm):
+    cfg = SamplingConfig(0.7, 0, 1.0)
+    outs = fake_vllm.rollouts([1, 2, 3], [4, 4, 7, 4, 2], cfg, 4, {2, 403}, torch.Generator())
+    # One request per distinct first token with n = its count; the i-th occurrence gets continuation i;
+    # a continuation ends at a stop id; a first token that is itself a stop id is not sent at all.
+    assert outs == [[4, 400, 401, 402], [4, 401, 402, 403], [7, 700, 701, 702], [4, 402, 403], [2]]
+    assert fake_vllm.rollouts([1], [5], cfg, 1, {2}, torch.Generator()) == [[5]]  # no room for more tokens
+
+
+def test_vllm_worker_failure_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # no vllm importable there
+    with pytest.raises(UsageError, match="vLLM worker failed: ModuleNotFoundError"):
+        VllmEngine("/nowhere", python=sys.executable)
+    with pytest.raises(UsageError, match="install.sh --with-vllm"):
+        VllmEngine("/nowhere", python=str(tmp_path / "no-python"))
+
+
+def test_engine_is_recorded_only_when_not_torch():
+    assert "engine" not in LabelConfig().as_dict()  # files labeled before engines existed still resume
+    assert LabelConfig(engine="vllm").as_dict()["engine"] == "vllm"
+    with pytest.raises(UsageError, match="--engine must be one of torch, vllm"):
+        LabelConfig(engine="sglang")
+
+
+def agreement(a: list[dict], b: list[dict], side: str, n: int) -> tuple[float, float, float]:
+    """Two-engine agreement on one side's success rates over the same candidates: (z of the summed
+    difference, chi-square of the per-candidate differences, its 0.999 quantile). Under "same sampling
+    distribution" each candidate's success counts are two binomials with one p (estimated pooled)."""
+    z_num = z_var = chi2 = 0.0
+    df = 0
+    for ra, rb in zip(a, b, strict=True):
+        x, y = round(ra[side] * n), round(rb[side] * n)
+        p = (x + y) / (2 * n)
+        if 0 < p < 1:
+            var = 2 * n * p * (1 - p)
+            z_num += x - y
+            z_var += var
+            chi2 += (x - y) ** 2 / var
+            df += 1
+    z = z_num / math.sqrt(z_var) if z_var else 0.0
+    quantile = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3 if df else 0.0  # Wilson-Hilferty
+    return z, chi2, quantile
+
+
+def vllm_installed() -> bool:
+    import subprocess
+
+    from pivotspec.rollouts import vllm_python
+
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([vllm_python(), "-c", probe], capture_output=True).returncode == 0
+
+
+needs_vllm = pytest.mark.skipif(not os.environ.get("PIVOTSPEC_REQUIRE_VLLM") and not vllm_installed(),
+                                reason="no vLLM environment (./install.sh --with-vllm, PIVOTSPEC_VLLM_PYTHON)")
+
+
+@needs_vllm
+def test_torch_and_vllm_labels_agree_within_binomial_noise(tmp_path, monkeypatch, capsys):
+    """The same candidates (the walk follows the target, so it does not depend on labels) labeled by both
+    engines: U_acc and U_rej agree within binomial noise, and the same test tells a vLLM run at another
+    temperature apart (so it can fail)."""
+    from pivotspec import api
+    from pivotspec.cli import main
+
+    monkeypatch.setenv("PIVOTSPEC_VLLM_ARGS", '{"enforce_eager": true}')  # no torch.compile: a faster start
+    pair = api.load_pair(pair="testbed", device="cpu")
+    n = 10
+    run = dict(task="arith", split="train", n_problems=4, rollouts=n, max_rollout_tokens=80, follow="target",
+               min_target_rate=-1.0, seed=3)
+    torch_rows = api.label(pair, tmp_path / "torch.jsonl", **run)
+    vllm_rows = api.label(pair, tmp_path / "vllm.jsonl", engine="vllm", **run)
+    hot_rows = api.label(pair, tmp_path / "hot.jsonl", engine="vllm", **{**run, "temperature": 1.4})
+
+    def cands(rows):
+        return sorted((r for r in rows if r["type"] == "candidate"), key=lambda r: (r["problem_id"], r["step"]))
+
+    a, b, hot = cands(torch_rows), cands(vllm_rows), cands(hot_rows)
+    assert len(a) >= 8 and [(r["problem_id"], r["step"], r["d"], r["t"]) for r in a] == \
+        [(r["problem_id"], r["step"], r["d"], r["t"]) for r in b]
+    assert b[0]["config"]["engine"] == "vllm" and "engine" not in a[0]["config"]
+    for side in ("u_acc", "u_rej"):
+        z, chi2, q = agreement(a, b, side, n)
+        assert abs(z) < 3.29 and chi2 < q, (side, z, chi2, q)
+    # At temperature 1.4 the target errs far more often: the same statistics must see it.
+    z_hot = [agreement(a, hot, side, n) for side in ("u_acc", "u_rej")]
+    assert any(abs(z) >= 3.29 or chi2 >= q for z, chi2, q in z_hot), z_hot
+    assert main(["labels", "stats", str(tmp_path / "vllm.jsonl")]) == 0
+    assert "candidates" in capsys.readouterr().out
+    assert store.read_records(tmp_path / "vllm.jsonl")[0]["config"]["engine"] == "vllm"
+
+
+def test_vllm_needs_a_target_directory(tiny_dir, load):
+    from pivotspec.rollouts import make_engine
+
+    lm = load(tiny_dir["llama_draft"])
+    lm_copy = type(lm)(**{**lm.__dict__, "source": None})
+    with pytest.raises(UsageError, match="Hugging Face directory"):
+        make_engine("vllm", lm_copy)
+    assert Path(lm.source).is_dir()
