@@ -136,8 +136,10 @@ needs_vllm = pytest.mark.skipif(not os.environ.get("PIVOTSPEC_REQUIRE_VLLM") and
 @needs_vllm
 def test_torch_and_vllm_labels_agree_within_binomial_noise(tmp_path, monkeypatch, capsys):
     """The same candidates (the walk follows the target, so it does not depend on labels) labeled by both
-    engines: U_acc and U_rej agree within binomial noise, and the same test tells a vLLM run at another
-    temperature apart (so it can fail)."""
+    engines: U_acc and U_rej agree within binomial noise. The same statistics reject the answers a mixed-up
+    engine would give (sides swapped, or each candidate paired with its neighbour's rollouts), so the test
+    can fail. (A run at temperature 1.4 instead of 0.7 moved the testbed target's success rates by only ~5
+    points on 12 candidates: not a check this test could make cheaply.)"""
     from pivotspec import api
     from pivotspec.cli import main
 
@@ -148,21 +150,22 @@ def test_torch_and_vllm_labels_agree_within_binomial_noise(tmp_path, monkeypatch
                min_target_rate=-1.0, seed=3)
     torch_rows = api.label(pair, tmp_path / "torch.jsonl", **run)
     vllm_rows = api.label(pair, tmp_path / "vllm.jsonl", engine="vllm", **run)
-    hot_rows = api.label(pair, tmp_path / "hot.jsonl", engine="vllm", **{**run, "temperature": 1.4})
 
     def cands(rows):
         return sorted((r for r in rows if r["type"] == "candidate"), key=lambda r: (r["problem_id"], r["step"]))
 
-    a, b, hot = cands(torch_rows), cands(vllm_rows), cands(hot_rows)
+    a, b = cands(torch_rows), cands(vllm_rows)
     assert len(a) >= 8 and [(r["problem_id"], r["step"], r["d"], r["t"]) for r in a] == \
         [(r["problem_id"], r["step"], r["d"], r["t"]) for r in b]
     assert b[0]["config"]["engine"] == "vllm" and "engine" not in a[0]["config"]
     for side in ("u_acc", "u_rej"):
         z, chi2, q = agreement(a, b, side, n)
         assert abs(z) < 3.29 and chi2 < q, (side, z, chi2, q)
-    # At temperature 1.4 the target errs far more often: the same statistics must see it.
-    z_hot = [agreement(a, hot, side, n) for side in ("u_acc", "u_rej")]
-    assert any(abs(z) >= 3.29 or chi2 >= q for z, chi2, q in z_hot), z_hot
+    swapped = [{**r, "u_acc": r["u_rej"], "u_rej": r["u_acc"]} for r in b]
+    shifted = b[1:] + b[:1]
+    for wrong in (swapped, shifted):
+        verdicts = [agreement(a, wrong, side, n) for side in ("u_acc", "u_rej")]
+        assert any(abs(z) >= 3.29 or chi2 >= q for z, chi2, q in verdicts), verdicts
     assert main(["labels", "stats", str(tmp_path / "vllm.jsonl")]) == 0
     assert "candidates" in capsys.readouterr().out
     assert store.read_records(tmp_path / "vllm.jsonl")[0]["config"]["engine"] == "vllm"

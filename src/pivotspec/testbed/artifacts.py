@@ -1,10 +1,13 @@
 """The shipped testbed models, materialised once into the pivotspec cache.
 
-- ``testbed-target``: SmolLM2-135M-Instruct with the shipped LoRA adapters (``data/target_lora.*``) merged
-  into its float32 weights. The merged directory is keyed by a hash of the adapter files, so a new
-  adapter never reuses an old merge.
-- ``testbed-draft``: the small reduced-vocabulary Llama in ``data/draft/`` plus SmolLM2's tokenizer files
-  (copied, not committed twice), so the loader's tokenizer check sees the very same tokenizer.
+Two pairs: ``testbed`` (task ``arith``, files in ``data/``) and ``testbed-hard`` (task ``arith-hard``,
+files in ``data/hard/``), each made of
+- a target: SmolLM2-135M-Instruct with the shipped LoRA adapters (``target_lora.*``) merged into its
+  float32 weights. The merged directory is keyed by a hash of the adapter files, so a new adapter never
+  reuses an old merge;
+- a draft: a small reduced-vocabulary Llama (``draft/``) plus SmolLM2's tokenizer files (copied, not
+  committed twice), so the loader's tokenizer check sees the very same tokenizer;
+- optionally the pivot classifier trained on the pair's labels (``classifier/``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,7 @@ from pathlib import Path
 from pivotspec.errors import UsageError
 
 DATA = Path(__file__).parent / "data"
-TARGET_FILES = (DATA / "target_lora.safetensors", DATA / "target_lora.json")
-DRAFT_DIR = DATA / "draft"
+HARD = DATA / "hard"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
@@ -56,8 +58,10 @@ def _copy_tokenizer(dst: Path) -> None:
             shutil.copy(src / name, dst / name)
 
 
-def target_dir() -> Path:
+def target_dir(data: Path = DATA, name: str = "testbed-target") -> Path:
     from pivotspec.models import cache_dir
+
+    files = [data / "target_lora.safetensors", data / "target_lora.json"]
 
     def build(tmp: Path) -> None:
         import torch
@@ -69,37 +73,42 @@ def target_dir() -> Path:
 
         quiet_transformers()
         model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32)
-        config = json.loads(TARGET_FILES[1].read_text())
-        merge_adapters(model, load_file(str(TARGET_FILES[0])), config["scale"])
+        config = json.loads(files[1].read_text())
+        merge_adapters(model, load_file(str(files[0])), config["scale"])
         model.save_pretrained(tmp)
         _copy_tokenizer(tmp)
 
-    return _build_atomically(cache_dir() / f"testbed-target-{_fingerprint(list(TARGET_FILES))}", build)
+    return _build_atomically(cache_dir() / f"{name}-{_fingerprint(files)}", build)
 
 
-def draft_dir() -> Path:
+def draft_dir(data: Path = DATA, name: str = "testbed-draft") -> Path:
     from pivotspec.models import VOCAB_MAP_FILE, cache_dir
 
-    files = [DRAFT_DIR / "config.json", DRAFT_DIR / "model.safetensors", DRAFT_DIR / VOCAB_MAP_FILE]
+    files = [data / "draft" / "config.json", data / "draft" / "model.safetensors", data / "draft" / VOCAB_MAP_FILE]
 
     def build(tmp: Path) -> None:
         for f in files:
             shutil.copy(f, tmp / f.name)
         _copy_tokenizer(tmp)
 
-    return _build_atomically(cache_dir() / f"testbed-draft-{_fingerprint(files)}", build)
+    return _build_atomically(cache_dir() / f"{name}-{_fingerprint(files)}", build)
 
 
-def shipped_classifier() -> Path | None:
-    """The pivot classifier trained on the testbed labels, if this version ships one."""
-    path = DATA / "classifier"
+def shipped_classifier(data: Path = DATA) -> Path | None:
+    """The pivot classifier trained on a testbed pair's labels, if this version ships one."""
+    path = data / "classifier"
     return path if (path / "classifier.json").is_file() else None
 
 
 def register() -> None:
-    """Make the testbed models and pair known to ``pivotspec.models`` (done on ``import pivotspec``)."""
+    """Make the testbed models and pairs known to ``pivotspec.models`` (done on ``import pivotspec``)."""
     from pivotspec.models import RegisteredPair, register_model, register_pair
 
     register_model("testbed-target", target_dir)
     register_model("testbed-draft", draft_dir)
     register_pair("testbed", RegisteredPair("testbed-target", "testbed-draft", shipped_classifier))
+    if (HARD / "target_lora.json").is_file():  # the second pair ships once it is trained
+        register_model("testbed-hard-target", lambda: target_dir(HARD, "testbed-hard-target"))
+        register_model("testbed-hard-draft", lambda: draft_dir(HARD, "testbed-hard-draft"))
+        register_pair("testbed-hard", RegisteredPair("testbed-hard-target", "testbed-hard-draft",
+                                                     lambda: shipped_classifier(HARD)))
