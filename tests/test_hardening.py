@@ -25,6 +25,10 @@ def test_demo_refuses_a_directory_that_is_not_an_earlier_demo(tmp_path, capsys):
     assert (out / "results.jsonl").read_text() == '{"precious": true}\n'
 
 
+def test_demo_runs_embedded_pairs_only(tmp_path, capsys):
+    one_line_error(capsys, ["demo", "--pair", "nope", "--out", str(tmp_path / "d")], "not 'nope'")
+
+
 def test_train_classifier_refuses_to_replace_a_classifier(tiny_dir, tmp_path, capsys):
     out = tmp_path / "clf"
     out.mkdir()

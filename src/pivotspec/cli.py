@@ -160,10 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     lab.set_defaults(func=cmd_label)
 
     demo = sub.add_parser("demo", help="the embedded testbed: ar, sd and pad side by side with a report",
-                          description="Decode arith test problems with ar, sd and pad (the shipped classifier) on the "
-                          "embedded testbed and write a report to --out. An --out that holds anything but an "
-                          "earlier demo is refused unless --overwrite; an earlier demo there is replaced.")
-    demo.add_argument("--n", type=int, default=20, help="arith test problems")
+                          description="Decode test problems of an embedded pair's task (testbed: arith) with ar, sd "
+                          "and pad (the shipped classifier) and write a report to --out. An --out that holds "
+                          "anything but an earlier demo is refused unless --overwrite; an earlier demo there is "
+                          "replaced.")
+    demo.add_argument("--pair", default="testbed", help="an embedded pair: testbed (task arith) or, once shipped, "
+                      "testbed-hard (task arith-hard)")
+    demo.add_argument("--n", type=int, default=20, help="test problems of the pair's task")
     demo.add_argument("--out", type=Path, default=Path("pivotspec-demo"), help="report directory")
     demo.add_argument("--overwrite", action="store_true", help="replace whatever --out holds")
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -309,7 +312,7 @@ DEMO_MARK = ".pivotspec-demo"
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    """eval --pair testbed on arith test problems, with the shipped classifier when there is one."""
+    """eval of an embedded pair on its task's test problems, with the shipped classifier when there is one."""
     from pivotspec.policies import default_classifier
     from pivotspec.reports import format_table
 
@@ -320,10 +323,16 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if out.is_dir() and any(out.iterdir()) and not (earlier_demo or args.overwrite):
         raise UsageError(f"{out} holds files that are not an earlier demo: pass --overwrite to replace them, or "
                          "choose another --out")
-    clf_dir = default_classifier("testbed")
+    from pivotspec.models import PAIRS
+
+    task = PAIRS[args.pair].task if args.pair in PAIRS else None
+    if task is None:
+        embedded = ", ".join(name for name, p in PAIRS.items() if p.task)
+        raise UsageError(f"the demo runs an embedded pair ({embedded}), not {args.pair!r}: use pivotspec eval")
+    clf_dir = default_classifier(args.pair)
     methods = "ar,sd,pad" if clf_dir else "ar,sd"
-    ns = build_parser().parse_args(["eval", "--pair", "testbed", "--methods", methods, "--n", str(args.n),
-                                    "--out", str(out), "--overwrite"]
+    ns = build_parser().parse_args(["eval", "--pair", args.pair, "--task", task, "--methods", methods,
+                                    "--n", str(args.n), "--out", str(out), "--overwrite"]
                                    + (["--threads", str(args.threads)] if args.threads else [])
                                    + (["--device", args.device] if args.device else []))
     ns.chat_template_kwargs = args.chat_template_kwargs

@@ -135,6 +135,7 @@ class RegisteredPair:
     target: str
     draft: str
     classifier: Any = None  # () -> Path | None: the pivot classifier shipped for this pair, if any
+    task: str | None = None  # the task the pair was trained for (the demo decodes its test split)
 
 
 # Names that resolve to a directory without a path: SmolLM2 from its PyPI package here, the embedded testbed

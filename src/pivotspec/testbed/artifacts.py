@@ -106,9 +106,9 @@ def register() -> None:
 
     register_model("testbed-target", target_dir)
     register_model("testbed-draft", draft_dir)
-    register_pair("testbed", RegisteredPair("testbed-target", "testbed-draft", shipped_classifier))
+    register_pair("testbed", RegisteredPair("testbed-target", "testbed-draft", shipped_classifier, "arith"))
     if (HARD / "target_lora.json").is_file():  # the second pair ships once it is trained
         register_model("testbed-hard-target", lambda: target_dir(HARD, "testbed-hard-target"))
         register_model("testbed-hard-draft", lambda: draft_dir(HARD, "testbed-hard-draft"))
         register_pair("testbed-hard", RegisteredPair("testbed-hard-target", "testbed-hard-draft",
-                                                     lambda: shipped_classifier(HARD)))
+                                                     lambda: shipped_classifier(HARD), "arith-hard"))
