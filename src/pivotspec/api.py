@@ -153,7 +153,7 @@ def label(pair: Pair, out: str | Path, *, task: str = "arith", split: str = "tra
     if pair.draft is None:
         raise UsageError("labeling needs a draft model: load the pair with a draft")
     t = get_task(task)
-    problems = [p for p in t.problems(split, n_problems, cfg.seed) if in_shard(p.id, shard)]
+    problems = [p for i, p in enumerate(t.problems(split, n_problems, cfg.seed)) if in_shard(i, shard)]
     judge_lm = load_lm(judge) if judge else None
     return run_labeling(pair.target, pair.draft, t, problems, cfg, Path(out), overwrite=overwrite, judge=judge_lm,
                         split=split, chat_template_kwargs=chat_template_kwargs)

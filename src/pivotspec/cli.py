@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--out", type=Path, required=True, help="labels JSONL (appended; reruns resume)")
     lab.add_argument("--overwrite", action="store_true", help="start the file over instead of resuming")
     lab.add_argument("--seed", type=int, default=0, help="problem order and rollout seed")
-    lab.add_argument("--shard", help="I/N: label only shard I of N of the problems (by a hash of their ids) into "
+    lab.add_argument("--shard", help="I/N: label only shard I of N of the problems (every N-th, from the I-th) into "
                      "--out; join the shard files with `pivotspec labels merge`")
     lab.add_argument("--engine", choices=["torch", "vllm"], default="torch",
                      help="who samples the rollouts: pivotspec's torch loop, or vLLM (./install.sh --with-vllm, or "

@@ -1,6 +1,6 @@
 """Labeling spread over a Ray cluster: one Ray task per shard, each resuming from its own file.
 
-The problems are cut into N shards by a hash of their ids (``labeling.in_shard``); shard i is labeled by a
+The problems are dealt round robin into N shards (``labeling.in_shard``); shard i is labeled by a
 Ray task into ``<out stem>.shard<i>of<N>.jsonl`` beside ``out``, with the very code a single process runs
 (``api.label``), so a shard file is an ordinary resumable labels file. A task whose worker dies is retried
 by Ray and resumes from its file; when all shards are done they are merged into ``out``. Ray is the cluster
