@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--task", choices=TASKS, default="arith")
     ap.add_argument("--style", choices=STYLES, default="target",
                     help="wording of the solutions (arith-hard: 'draft' gives the draft its own style)")
+    ap.add_argument("--init-from", type=Path, help="continue from a saved draft directory (same task and vocabulary)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
 
@@ -91,6 +92,16 @@ def main(argv: list[str] | None = None) -> None:
     token_ids = task_vocabulary(examples)
     rows = remap(examples, token_ids)
     model = LlamaForCausalLM(make_config(len(token_ids) + 1, args.layers, args.hidden))
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        saved = json.loads((args.init_from / VOCAB_MAP_FILE).read_text())["token_ids"]
+        if saved != token_ids:
+            raise SystemExit(f"{args.init_from} was trained on another vocabulary: use the same --task and --n-train")
+        state = {k: v.float() for k, v in load_file(str(args.init_from / "model.safetensors")).items()}
+        result = model.load_state_dict(state, strict=False)  # lm_head.weight is tied to the embedding, not saved
+        if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+            raise SystemExit(f"{args.init_from} does not match --layers/--hidden: {result}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.steps // 30)
 
