@@ -72,9 +72,7 @@ def label_on_ray(pair_args: dict[str, Any], out: Path, workers: int, label_args:
 
     from pivotspec.labeling import merge_labels
 
-    if workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {workers}")
-    out = Path(out)
+    out = Path(out)  # workers >= 1 was checked by api.label_on_ray
     shards = [shard_path(out, i, workers) for i in range(workers)]
     connect(address, workers)
     try:

@@ -253,8 +253,8 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
         if bar:
             bar.update(candidates=1, rollouts=rec["n_rollouts"])
 
-    todo = [p for p in problems if p.id not in finished]
-    engine = make_engine(cfg.engine, target, cfg.seed) if todo else None  # vLLM loads only if work is left
+    work_left = any(p.id not in finished for p in problems)
+    engine = make_engine(cfg.engine, target, cfg.seed) if work_left else None  # vLLM starts only if needed
     try:
         for problem in problems:
             resumed = problem.id in finished

@@ -163,12 +163,8 @@ class VllmEngine:
             for (t, _), outs in zip(live, self._read()["outputs"], strict=True):
                 continuations[t] = [[t] + o for o in outs]
         # Back in the caller's order: the i-th occurrence of token t gets t's i-th continuation.
-        taken = {t: 0 for t, _ in groups}
-        result = []
-        for t in first_tokens:
-            result.append(continuations[t][taken[t]])
-            taken[t] += 1
-        return result
+        unused = {t: iter(c) for t, c in continuations.items()}
+        return [next(unused[t]) for t in first_tokens]
 
     def close(self) -> None:
         if self.proc.poll() is None:
