@@ -49,7 +49,7 @@ def full_vocab_draft(reduced, out: Path) -> Path:
     known, n = reduced.vocab_map, reduced.vocab_size
     emb, head = model.get_input_embeddings().weight.data, model.get_output_embeddings().weight.data
     new_emb = emb[reduced.input_map]  # every id -> its row (unknown ids -> the shared unknown row)
-    new_head = torch.zeros(n, head.shape[1], dtype=head.dtype)
+    new_head = torch.zeros(n, head.shape[1], dtype=head.dtype, device=head.device)
     new_head[known] = head[: known.shape[0]]
     model.resize_token_embeddings(n)
     model.get_input_embeddings().weight.data.copy_(new_emb)

@@ -14,10 +14,11 @@ from typing import Any
 
 from pivotspec import api
 from pivotspec.errors import UsageError
+from pivotspec.models import PAIRS
 from pivotspec.store import ensure_writable_dir
 
-SPLITS = "train, validation or test (arith); test (humaneval, gsm8k, mbpp, jsonl: the file's rows)"
-TASK_NAMES = "arith, humaneval, gsm8k, mbpp or jsonl"
+SPLITS = "train, validation or test (arith, arith-hard); test (humaneval, gsm8k, mbpp, jsonl: the file's rows)"
+TASK_NAMES = "arith, arith-hard, humaneval, gsm8k, mbpp or jsonl (default: the --pair's task, else arith)"
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -53,7 +54,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", help="target model: registered name, HF directory, .gguf file or cached hub id")
     g.add_argument("--draft", help="draft model sharing the target's tokenizer")
-    g.add_argument("--pair", choices=["testbed"], help="shorthand for a registered target/draft pair")
+    g.add_argument("--pair", choices=sorted(PAIRS), help="shorthand for a registered target/draft pair (its task is "
+                   "then the default --task)")
     g.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: $PIVOTSPEC_DEVICE, else "
                    "auto: CUDA if available, else CPU)")
     g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else "
@@ -75,7 +77,7 @@ def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> 
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (and problem order for eval)")
     g.add_argument("--classifier", help="pivot classifier for --method pad: a directory from train-classifier, "
-                   "or const:SCORE (a constant score, for ablations); with --pair testbed the shipped one by default")
+                   "or const:SCORE (a constant score, for ablations); with an embedded --pair its shipped one")
     g.add_argument("--sigma", type=float, default=None,
                    help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
                    "0.5 for const:)")
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="run methods side by side on a task")
     add_model_args(ev)
     add_decoding_args(ev, max_new_tokens=200)
-    ev.add_argument("--task", default="arith", help=TASK_NAMES)
+    ev.add_argument("--task", help=TASK_NAMES)
     ev.add_argument("--data", help="local data file for gsm8k, mbpp and jsonl (JSONL or parquet)")
     ev.add_argument("--split", default="test", help=SPLITS)
     ev.add_argument("--n", type=int, default=20, help="number of problems")
@@ -128,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lab = sub.add_parser("label", help="label pivot tokens by Monte-Carlo rollouts of the target (resumable)")
     add_model_args(lab)
-    lab.add_argument("--task", default="arith", help=TASK_NAMES)
+    lab.add_argument("--task", help=TASK_NAMES)
     lab.add_argument("--split", default="train", help=SPLITS)
     lab.add_argument("--n-problems", type=int, default=50, help="problems to walk")
     lab.add_argument("--rollouts", type=int, default=20, help="N rollouts after d and N after t")
@@ -265,9 +267,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
 
 
+def task_name(args: argparse.Namespace) -> str:
+    """--task, else the task the --pair was trained for, else arith."""
+    if args.task:
+        return args.task
+    pair = PAIRS.get(args.pair) if args.pair else None
+    return pair.task if pair is not None and pair.task else "arith"
+
+
 def _eval_settings(args: argparse.Namespace) -> Any:
     from pivotspec.evaluation import EvalSettings
 
+    args.task = task_name(args)
     return EvalSettings(task=args.task, data=args.data, split=args.split, n=args.n, seed=args.seed, gamma=args.gamma,
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
@@ -323,8 +334,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if out.is_dir() and any(out.iterdir()) and not (earlier_demo or args.overwrite):
         raise UsageError(f"{out} holds files that are not an earlier demo: pass --overwrite to replace them, or "
                          "choose another --out")
-    from pivotspec.models import PAIRS
-
     task = PAIRS[args.pair].task if args.pair in PAIRS else None
     if task is None:
         embedded = ", ".join(name for name, p in PAIRS.items() if p.task)
@@ -376,6 +385,7 @@ def cmd_label(args: argparse.Namespace) -> None:
     LabelConfig(**config)  # argument errors before the (slow) model loading
     if args.n_problems < 1:
         raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
+    args.task = task_name(args)
     get_task(args.task)
     run = dict(task=args.task, split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
                judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, **config)
