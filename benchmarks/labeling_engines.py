@@ -7,7 +7,9 @@ following the target (`--follow target`), so every configuration meets the very 
 the rollouts differ. Configurations run interleaved, `--repeats` times. Per run: wall time of the whole
 command (model loading and engine start included), engine time (the summed `rollout_s` of the candidates),
 rollouts/s and rollout tokens/s over engine time, wall per candidate, and the peak resident memory of the
-whole process tree (sampled every 0.2 s). Prints a table (medians) and writes JSON to --out.
+whole process tree (sampled every 0.2 s). Prints a table (medians) and writes JSON to --out. With walks
+batched (--concurrency) a candidate's rollout_s is its whole batch's time, so engine time counts a batch once
+per candidate in it: compare that row by wall time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 CONFIGS = {
     "torch": [],
+    "torch 4 walks": ["--concurrency", "4"],
     "vllm": ["--engine", "vllm"],
     "ray x1 (torch)": ["--ray", "--workers", "1"],
     "ray x2 (torch)": ["--ray", "--workers", "2"],
@@ -56,7 +59,7 @@ def run_one(name: str, args: argparse.Namespace, out: Path) -> dict:
            "--n-problems", str(args.n_problems), "--rollouts", str(args.rollouts), "--max-rollout-tokens",
            str(args.max_rollout_tokens), "--follow", "target", "--min-target-rate", "-1", "--seed", "0",
            "--out", str(out), *CONFIGS[name]]
-    if name == "torch" or name == "vllm":
+    if not name.startswith("ray"):
         cmd += ["--threads", "2"]
     started, peak = time.perf_counter(), 0
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -108,15 +108,40 @@ def test_interrupted_run_resumes_to_the_same_records(pair, tmp_path, monkeypatch
     with out.open("a") as fh:
         fh.write('{"type": "candidate", "problem_id": "toy-1", "st')
     resumed = run_labeling(*pair, task, task.problems("train", 4), cfg, out, progress=False)
-    key = lambda r: (r["type"], r["problem_id"], r.get("step", -1))  # noqa: E731
-
-    def content(records: list[dict]) -> list[dict]:  # everything but the wall-clock timing
-        return [{k: v for k, v in r.items() if k != "rollout_s"} for r in sorted(records, key=key)]
-
-    assert content(resumed) == content(full)
-    assert len(resumed) == len({key(r) for r in resumed})
+    assert without_timing(resumed) == without_timing(full)
+    assert len(resumed) == len({(r["type"], r["problem_id"], r.get("step", -1)) for r in resumed})
     again = run_labeling(*pair, task, task.problems("train", 4), cfg, out, progress=False)
     assert again == resumed  # a finished file is left alone
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    key = lambda r: (r["type"], r["problem_id"], r.get("step", -1))  # noqa: E731
+    return [{k: v for k, v in r.items() if k != "rollout_s"} for r in sorted(records, key=key)]
+
+
+@pytest.mark.parametrize("screen", [-1.0, 0.0])
+def test_walks_side_by_side_label_like_one_at_a_time(pair, tmp_path, monkeypatch, screen):
+    from pivotspec import rollouts
+
+    task = toy(pair, n=6)  # prompts of 2 to 6 words: the batched prefixes differ in length
+    cfg = LabelConfig(**{**CFG, "temperature": 1.0, "max_rollout_tokens": 8, "max_walk_tokens": 10,
+                         "min_target_rate": screen})
+    one = run_labeling(*pair, task, task.problems("train", 6), cfg, tmp_path / "one.jsonl", progress=False)
+    batch_sizes = []
+    real = rollouts.padded_rollouts
+
+    def counting(lm, requests, *args):
+        batch_sizes.append(len(requests))
+        return real(lm, requests, *args)
+
+    monkeypatch.setattr(rollouts, "padded_rollouts", counting)
+    four = run_labeling(*pair, task, task.problems("train", 6), cfg, tmp_path / "four.jsonl", progress=False,
+                        concurrency=4)
+    assert max(batch_sizes) > 1  # requests of several walks did share a batch
+    assert sum(r["type"] == "candidate" for r in one) >= 3
+    assert without_timing(four) == without_timing(one)
+    with pytest.raises(UsageError, match="--concurrency"):
+        run_labeling(*pair, task, task.problems("train", 1), cfg, tmp_path / "x.jsonl", concurrency=0)
 
 
 def test_resume_refuses_a_different_configuration(pair, tmp_path):

@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--engine", choices=["torch", "vllm"], default="torch",
                      help="who samples the rollouts: pivotspec's torch loop, or vLLM (./install.sh --with-vllm, or "
                      "the official vllm on GPUs); the walk runs on torch either way")
+    lab.add_argument("--concurrency", type=int, default=1, help="problems walked side by side, their rollouts "
+                     "sampled in one batch (torch engine: ~1.5x the rollouts/s at 4 on a CPU; 1 reproduces a run "
+                     "bit for bit whatever the sharding)")
     lab.add_argument("--ray", action="store_true", help="label --workers shards as Ray tasks and merge them into --out")
     lab.add_argument("--ray-address", help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a "
                      "local cluster started for the run")
@@ -385,10 +388,13 @@ def cmd_label(args: argparse.Namespace) -> None:
     LabelConfig(**config)  # argument errors before the (slow) model loading
     if args.n_problems < 1:
         raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
+    if args.concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
     args.task = task_name(args)
     get_task(args.task)
     run = dict(task=args.task, split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
-               judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, **config)
+               judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, concurrency=args.concurrency,
+               **config)
     if args.ray:
         if args.shard:
             raise UsageError("--ray makes its own shards: drop --shard (or run one shard per machine without --ray)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +21,7 @@ import torch
 
 from pivotspec.errors import UsageError
 from pivotspec.models import LM
-from pivotspec.rollouts import ENGINES, RolloutEngine, TorchEngine, make_engine
+from pivotspec.rollouts import ENGINES, RolloutEngine, RolloutRequest, make_engine
 from pivotspec.sampling import SamplingConfig, argmax
 
 if TYPE_CHECKING:
@@ -96,35 +96,31 @@ def model_identity(lm: LM) -> dict:
     return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size}
 
 
-def screen_rate(target: LM, task: Task, problem: Problem, prompt: list[int], cfg: LabelConfig,
-                stop_ids: set[int], engine: RolloutEngine | None = None) -> float:
-    """The target's success rate from the prompt over N sampled completions."""
+def screen_request(target: LM, problem: Problem, prompt: list[int], cfg: LabelConfig) -> RolloutRequest:
+    """N completions from the prompt, to measure the target's success rate before walking."""
     gen = seeded_generator(cfg.seed, problem.id, "screen", device=target.device)
-    scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
     # Continuations start with the prompt's last token (so they share one cached prefix); strip it again.
-    engine = engine or TorchEngine(target)
-    conts = engine.rollouts(prompt[:-1], [prompt[-1]] * cfg.rollouts, scfg, cfg.max_rollout_tokens + 1, stop_ids, gen)
-    texts = [target.tokenizer.decode(c[1:], skip_special_tokens=True) for c in conts]
-    return sum(task.score(problem, t) for t in texts) / len(texts)
+    return RolloutRequest(prompt[:-1], [prompt[-1]] * cfg.rollouts, gen, cfg.max_rollout_tokens + 1)
 
 
-def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: LabelConfig, stop_ids: set[int],
-                  known: dict[int, dict], base: dict, emit: Callable[[dict], None],
-                  judge: Callable[..., bool] | None = None,
-                  chat_template_kwargs: dict[str, Any] | None = None, engine: RolloutEngine | None = None) -> dict:
+def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: LabelConfig, stop_ids: set[int],
+                 known: dict[int, dict], base: dict, emit: Callable[[dict], None],
+                 judge: Callable[..., bool] | None = None, chat_template_kwargs: dict[str, Any] | None = None
+                 ) -> Generator[RolloutRequest, list[list[int]], dict]:
     """Walk one problem, emitting a record per new candidate; ``known`` holds candidates of an earlier
-    run (by step) that are reused instead of rolled out again. Returns the problem's summary record."""
+    run (by step) that are reused instead of rolled out again. A generator: it yields each rollout request
+    and is sent back the continuations, so a driver can batch the requests of several walks (``run_walks``).
+    Returns the problem's summary record."""
     from pivotspec.tasks import encode_problem
 
     prompt = encode_problem(target.tokenizer, problem, True, chat_template_kwargs)
     summary = {"type": "problem", "problem_id": problem.id, **base}
-    engine = engine or TorchEngine(target)
     if cfg.min_target_rate >= 0:
-        rate = screen_rate(target, task, problem, prompt, cfg, stop_ids, engine)
-        summary["target_rate"] = rate
+        conts = yield screen_request(target, problem, prompt, cfg)
+        texts = [target.tokenizer.decode(c[1:], skip_special_tokens=True) for c in conts]
+        rate = summary["target_rate"] = sum(task.score(problem, t) for t in texts) / len(texts)
         if rate <= cfg.min_target_rate:
             return {**summary, "status": "skipped", "candidates": 0}
-    scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
     generated: list[int] = []
     n_candidates = 0
     target.reset()
@@ -145,7 +141,8 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
                 n = cfg.rollouts
                 started = time.perf_counter()
                 gen = seeded_generator(cfg.seed, problem.id, step, device=target.device)
-                conts = engine.rollouts(seq, [d] * n + [t] * n, scfg, cfg.max_rollout_tokens, stop_ids, gen)
+                # The target's cache holds exactly seq here: the rollouts start from it without a recompute.
+                conts = yield RolloutRequest(seq, [d] * n + [t] * n, gen, cfg.max_rollout_tokens, target.cache)
                 u_acc, u_rej, scores = success_rates(task, problem, target.tokenizer, generated, conts, n)
                 label = is_pivot(u_acc, u_rej, cfg.mode, cfg.alpha)
                 rec = {"type": "candidate", "problem_id": problem.id, "step": step, "prefix_ids": seq,
@@ -163,6 +160,62 @@ def label_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Labe
         if nxt in stop_ids:
             break
     return {**summary, "status": "done", "candidates": n_candidates, "walk_tokens": len(generated)}
+
+
+@dataclass
+class _Walk:
+    """A walk suspended at its rollout request, with the target's and the draft's cache state it left."""
+
+    steps: Generator[RolloutRequest, list[list[int]], dict]
+    request: RolloutRequest | None = None
+    states: tuple = ((None, []), (None, []))
+
+
+def run_walks(walks: Iterator[Generator[RolloutRequest, list[list[int]], dict]], target: LM, draft: LM,
+              engine: RolloutEngine, cfg: LabelConfig, stop_ids: set[int], concurrency: int = 1
+              ) -> Iterator[dict]:
+    """Drive up to ``concurrency`` walks side by side: run each until it asks for rollouts, answer all their
+    requests in one engine call, repeat; yield each walk's summary as it ends. The models hold one KV cache
+    each, so every walk's caches are swapped in while it runs and set aside while others do."""
+    scfg = SamplingConfig(cfg.temperature, 0, cfg.top_p)
+    running: list[_Walk] = []
+    walks = iter(walks)
+    exhausted = False
+
+    def resume(walk: _Walk, answer: list[list[int]] | None) -> dict | None:
+        (target.cache, target.cached_ids), (draft.cache, draft.cached_ids) = walk.states
+        try:
+            walk.request, summary = walk.steps.send(answer), None
+        except StopIteration as stop:
+            walk.request, summary = None, stop.value
+        walk.states = ((target.cache, target.cached_ids), (draft.cache, draft.cached_ids))
+        # Leave the models with fresh caches: the engine must not extend (or roll back) a walk's.
+        target.cache, target.cached_ids, draft.cache, draft.cached_ids = None, [], None, []
+        return summary
+
+    while running or not exhausted:
+        while len(running) < concurrency and not exhausted:
+            steps = next(walks, None)
+            if steps is None:
+                exhausted = True
+                break
+            walk = _Walk(steps)
+            summary = resume(walk, None)
+            if summary is not None:
+                yield summary
+            else:
+                running.append(walk)
+        if not running:
+            continue
+        answers = engine.rollouts_many([w.request for w in running], scfg, stop_ids)
+        still = []
+        for walk, answer in zip(running, answers, strict=True):
+            summary = resume(walk, answer)
+            if summary is not None:
+                yield summary
+            else:
+                still.append(walk)
+        running = still
 
 
 def make_judge(judge: LM, task: Task, target_tokenizer: Any) -> Callable[..., bool]:
@@ -213,19 +266,23 @@ class Progress:
 def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
                  overwrite: bool = False,
                  judge: LM | None = None, split: str = "train", progress: bool = True,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> list[dict]:
+                 chat_template_kwargs: dict[str, Any] | None = None, concurrency: int = 1) -> list[dict]:
     """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds. The file is
-    locked for the run, so a second labeler on the same file stops with a one-line error."""
+    locked for the run, so a second labeler on the same file stops with a one-line error. ``concurrency``
+    walks run side by side with their rollouts in one batch (faster; with 1, a run reproduces bit for bit
+    whatever the sharding, since no candidate's rollouts share a batch with another's)."""
     from pivotspec.store import open_for_append
 
+    if concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1, got {concurrency}")
     with open_for_append(out, overwrite) as fh:
         return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, fh,
-                             chat_template_kwargs)
+                             chat_template_kwargs, concurrency)
 
 
 def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
                   judge: LM | None, split: str, progress: bool, fh: Any,
-                  chat_template_kwargs: dict[str, Any] | None = None) -> list[dict]:
+                  chat_template_kwargs: dict[str, Any] | None = None, concurrency: int = 1) -> list[dict]:
     from pivotspec.models import eos_ids
     from pivotspec.store import append_record, read_records
 
@@ -253,17 +310,17 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
         if bar:
             bar.update(candidates=1, rollouts=rec["n_rollouts"])
 
-    work_left = any(p.id not in finished for p in problems)
-    engine = make_engine(cfg.engine, target, cfg.seed) if work_left else None  # vLLM starts only if needed
+    todo = [p for p in problems if p.id not in finished]
+    if bar:
+        bar.update(resumed=len(problems) - len(todo))
+    engine = make_engine(cfg.engine, target, cfg.seed) if todo else None  # vLLM starts only if needed
     try:
-        for problem in problems:
-            resumed = problem.id in finished
-            if not resumed:
-                append_record(fh, label_problem(target, draft, task, problem, cfg, stop_ids,
-                                                known.get(problem.id, {}), base, emit, flip, chat_template_kwargs,
-                                                engine))
+        walks = (walk_problem(target, draft, task, p, cfg, stop_ids, known.get(p.id, {}), base, emit, flip,
+                              chat_template_kwargs) for p in todo)
+        for summary in run_walks(walks, target, draft, engine, cfg, stop_ids, concurrency):
+            append_record(fh, summary)
             if bar:
-                bar.update(problems=int(not resumed), resumed=int(resumed))
+                bar.update(problems=1)
     finally:
         if engine is not None:
             engine.close()

@@ -19,10 +19,12 @@ re-tokenisation can change a prefix:
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +38,20 @@ ENGINES = ("torch", "vllm")
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
+@dataclass
+class RolloutRequest:
+    """Continuations wanted after ``prefix``: one per entry of ``first_tokens`` (each starts with it), at
+    most ``max_tokens`` tokens each, ending at the first stop id. ``generator`` draws this request's samples
+    alone, so what a request gets does not depend on what it is batched with (up to float rounding).
+    ``cache``, if given, is a KV cache holding exactly ``prefix`` (a walk's own; read, never changed)."""
+
+    prefix: list[int]
+    first_tokens: list[int]
+    generator: torch.Generator
+    max_tokens: int
+    cache: Any = None
+
+
 class RolloutEngine(Protocol):
     name: str
 
@@ -45,41 +61,109 @@ class RolloutEngine(Protocol):
         at most ``max_tokens`` tokens each, ending at the first stop id."""
         ...
 
+    def rollouts_many(self, requests: list[RolloutRequest], cfg: SamplingConfig,
+                      stop_ids: set[int]) -> list[list[list[int]]]:
+        """The continuations of several requests (each as ``rollouts`` would return them), in their order."""
+        ...
+
     def close(self) -> None: ...
 
 
-@torch.inference_mode()
+def _prefix_cache(lm: LM, request: RolloutRequest) -> Any:
+    """A private copy of a KV cache holding the request's prefix (the walk's, or run now)."""
+    if request.cache is not None:
+        return copy.deepcopy(request.cache)
+    if lm.cached_ids != request.prefix:
+        lm.advance(request.prefix, keep_logits=1)
+    return copy.deepcopy(lm.cache)
+
+
 def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
-                     stop_ids: set[int], generator: torch.Generator) -> list[list[int]]:
-    """The torch engine's sampler: the prefix is run once (or reused from ``lm``'s cache), its KV cache is
+                     stop_ids: set[int], generator: torch.Generator, cache: Any = None) -> list[list[int]]:
+    """The torch engine's sampler for one prefix: the prefix is run once (or its cache reused), the cache is
     copied and repeated across the batch, and finished rows leave the batch so they cost nothing more."""
-    if lm.cached_ids != prefix:  # after a walk step the cache already holds exactly the prefix
-        lm.advance(prefix, keep_logits=1)
-    cache = copy.deepcopy(lm.cache)
-    cache.batch_repeat_interleave(len(first_tokens))
-    outs = [[t] for t in first_tokens]
-    active = [i for i, t in enumerate(first_tokens) if t not in stop_ids]
-    if active != list(range(len(first_tokens))):
-        cache.batch_select_indices(torch.tensor(active, device=lm.device))
-    inputs = torch.tensor([[first_tokens[i]] for i in active], device=lm.device)
-    for _ in range(max_tokens - 1):
-        if not active:
-            break
+    request = RolloutRequest(prefix, first_tokens, generator, max_tokens, cache)
+    rows = _prefix_cache(lm, request)
+    rows.batch_repeat_interleave(len(first_tokens))
+    return _decode_rows(lm, [request], rows, None, cfg, stop_ids)[0]
+
+
+def padded_rollouts(lm: LM, requests: list[RolloutRequest], cfg: SamplingConfig,
+                    stop_ids: set[int]) -> list[list[list[int]]]:
+    """Several prefixes' rollouts in one batch: each prefix's keys and values are left-padded to the longest
+    and masked, and each row is fed its own position. On a CPU a batch of 80 rows samples ~1.8x the tokens
+    per second of a batch of 20 (one candidate's), which is what running walks side by side buys."""
+    from pivotspec.kvcache import growing_cache
+
+    caches = [_prefix_cache(lm, r) for r in requests]
+    lengths = [len(r.prefix) for r in requests]
+    longest = max(lengths)
+    cache = growing_cache(lm.model.config)
+
+    def stacked(layer: int, part: str) -> torch.Tensor:  # every request's rows of one layer, left-padded
+        return torch.cat([torch.nn.functional.pad(getattr(c.layers[layer], part), (0, 0, longest - n, 0))
+                          .expand(len(r.first_tokens), -1, -1, -1)
+                          for c, r, n in zip(caches, requests, lengths, strict=True)])
+
+    for i, layer in enumerate(cache.layers):
+        layer.update(stacked(i, "keys"), stacked(i, "values"))
+    mask = torch.cat([torch.cat([torch.zeros(len(r.first_tokens), longest - n, dtype=torch.long),
+                                 torch.ones(len(r.first_tokens), n, dtype=torch.long)], dim=1)
+                      for r, n in zip(requests, lengths, strict=True)]).to(lm.device)
+    return _decode_rows(lm, requests, cache, mask, cfg, stop_ids)
+
+
+def can_pad(lm: LM) -> bool:
+    """Left padding is exact for full attention; a sliding window or a model without position ids in its
+    forward would need more than a mask, so such models roll out one prefix at a time."""
+    config = lm.model.config
+    types = getattr(config, "layer_types", None)
+    sliding = any(t != "full_attention" for t in types) if types else bool(getattr(config, "sliding_window", None))
+    return not sliding and "position_ids" in inspect.signature(lm.model.forward).parameters
+
+
+def _decode_rows(lm: LM, requests: list[RolloutRequest], cache: Any, mask: torch.Tensor | None,
+                 cfg: SamplingConfig, stop_ids: set[int]) -> list[list[list[int]]]:
+    """Sample every request's rows from ``cache`` (their prefixes, row by row) until each row stops.
+    ``mask`` (rows x cached positions) marks left padding; None means one unpadded prefix.
+
+    A finished row leaves the batch only once a quarter of the batch has finished: dropping rows copies the
+    whole cache (and the next step copies it again into a new buffer), which at 80 rows cost more than
+    carrying a few finished rows along. Their outputs are ignored and they draw no random numbers."""
+    owner = [k for k, r in enumerate(requests) for _ in r.first_tokens]
+    outs = [[t] for r in requests for t in r.first_tokens]
+    position = torch.tensor([len(requests[k].prefix) for k in owner], device=lm.device)
+    batch = list(range(len(outs)))  # the rows the cache holds, in order
+    live = {i for i, out in enumerate(outs) if out[0] not in stop_ids and requests[owner[i]].max_tokens > 1}
+    while live:
+        if len(live) <= 0.75 * len(batch):
+            keep = [j for j, i in enumerate(batch) if i in live]
+            batch = [batch[j] for j in keep]
+            index = torch.tensor(keep, device=lm.device)
+            cache.batch_select_indices(index)
+            mask, position = (mask[index] if mask is not None else None), position[index]
+        inputs = torch.tensor([[outs[i][-1]] for i in batch], device=lm.device)
+        extra: dict[str, Any] = {}
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype, device=mask.device)], dim=1)
+            extra = {"attention_mask": mask, "position_ids": position[:, None]}
         model_inputs = inputs if lm.input_map is None else lm.input_map[inputs]
-        logits = lm.model(input_ids=model_inputs, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        tokens = sample(logits_to_probs(lm.full_vocab(logits.float()), cfg), generator).tolist()
-        keep = []
-        for row, (i, tok) in enumerate(zip(active, tokens, strict=True)):
-            outs[i].append(tok)
-            if tok not in stop_ids:
-                keep.append(row)
-        if len(keep) < len(active):
-            active = [active[r] for r in keep]
-            if keep:
-                cache.batch_select_indices(torch.tensor(keep, device=lm.device))
-            tokens = [tokens[r] for r in keep]
-        inputs = torch.tensor([[t] for t in tokens], device=lm.device)
-    return outs
+        logits = lm.model(input_ids=model_inputs, cache=cache, use_cache=True, logits_to_keep=1, **extra).logits[:, -1]
+        position = position + 1
+        for k, request in enumerate(requests):  # each request samples its own live rows with its own generator
+            rows = [j for j, i in enumerate(batch) if i in live and owner[i] == k]
+            if not rows:
+                continue
+            probs = logits_to_probs(lm.full_vocab(logits[rows].float()), cfg)
+            for j, tok in zip(rows, sample(probs, request.generator).tolist(), strict=True):
+                i = batch[j]
+                outs[i].append(tok)
+                if tok in stop_ids or len(outs[i]) >= request.max_tokens:
+                    live.discard(i)
+    per_request: list[list[list[int]]] = [[] for _ in requests]
+    for i, out in enumerate(outs):
+        per_request[owner[i]].append(out)
+    return per_request
 
 
 class TorchEngine:
@@ -91,6 +175,13 @@ class TorchEngine:
     def rollouts(self, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
                  stop_ids: set[int], generator: torch.Generator) -> list[list[int]]:
         return batched_rollouts(self.lm, prefix, first_tokens, cfg, max_tokens, stop_ids, generator)
+
+    def rollouts_many(self, requests: list[RolloutRequest], cfg: SamplingConfig,
+                      stop_ids: set[int]) -> list[list[list[int]]]:
+        if len(requests) > 1 and can_pad(self.lm):
+            return padded_rollouts(self.lm, requests, cfg, stop_ids)
+        return [batched_rollouts(self.lm, r.prefix, r.first_tokens, cfg, r.max_tokens, stop_ids, r.generator,
+                                 r.cache) for r in requests]
 
     def close(self) -> None:
         pass
@@ -165,6 +256,11 @@ class VllmEngine:
         # Back in the caller's order: the i-th occurrence of token t gets t's i-th continuation.
         unused = {t: iter(c) for t, c in continuations.items()}
         return [next(unused[t]) for t in first_tokens]
+
+    def rollouts_many(self, requests: list[RolloutRequest], cfg: SamplingConfig,
+                      stop_ids: set[int]) -> list[list[list[int]]]:
+        # One request at a time: vLLM batches the N continuations of each side inside its engine already.
+        return [self.rollouts(r.prefix, r.first_tokens, cfg, r.max_tokens, stop_ids, r.generator) for r in requests]
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -1,0 +1,70 @@
+"""Rollouts of several prefixes in one left-padded batch equal each prefix's own batch: the same tokens,
+greedy and sampled (each request draws from its own generator), with per-request length caps and stop ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pivotspec.rollouts import RolloutRequest, TorchEngine, batched_rollouts, can_pad, padded_rollouts
+from pivotspec.sampling import SamplingConfig
+from tests.test_architectures import config_for
+
+PREFIXES = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 3], [5, 6, 7, 20, 21, 22]]  # different lengths: real padding
+
+
+def requests(seed: int, lm) -> list[RolloutRequest]:
+    firsts = [[4, 4, 9, 1], [7, 7, 7], [13, 1, 2, 2, 2]]  # token 1 is a stop id: that row ends at once
+    caps = [12, 6, 9]
+    return [RolloutRequest(p, f, torch.Generator(device=lm.device).manual_seed(seed + k), cap)
+            for k, (p, f, cap) in enumerate(zip(PREFIXES, firsts, caps, strict=True))]
+
+
+@pytest.mark.parametrize("name", ["llama_target", "qwen3_target"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_padded_batch_equals_one_prefix_at_a_time(tiny_dir, load, name, temperature):
+    lm = load(tiny_dir[name])
+    cfg = SamplingConfig(temperature, 0, 1.0)
+    assert can_pad(lm)
+    alone = [batched_rollouts(lm, r.prefix, r.first_tokens, cfg, r.max_tokens, {1}, r.generator)
+             for r in requests(7, lm)]
+    together = padded_rollouts(lm, requests(7, lm), cfg, {1})
+    assert together == alone
+    assert TorchEngine(lm).rollouts_many(requests(7, lm), cfg, {1}) == alone
+    for out, r in zip(together, requests(7, lm), strict=True):
+        assert [c[0] for c in out] == r.first_tokens
+        assert all(len(c) <= r.max_tokens and 1 not in c[1:-1] for c in out)
+    assert max(len(c) for c in together[0]) == 12  # the long cap was reached by some row
+
+
+def test_a_walks_cache_is_read_not_changed(tiny_dir, load):
+    lm = load(tiny_dir["llama_target"])
+    cfg = SamplingConfig(1.0, 0, 1.0)
+    reqs = requests(3, lm)
+    lm.reset()
+    lm.advance(reqs[0].prefix)
+    reqs[0].cache = lm.cache
+    keys = [layer.keys.clone() for layer in lm.cache.layers]
+    lm.cache, lm.cached_ids = None, []  # as the labeling driver leaves it: the walk's cache is put aside
+    with_cache = padded_rollouts(lm, reqs, cfg, {1})
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(reqs[0].cache.layers, keys, strict=True))
+    assert with_cache == padded_rollouts(lm, requests(3, lm), cfg, {1})  # the same as running the prefix anew
+
+
+def test_sliding_window_models_roll_out_one_prefix_at_a_time(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from pivotspec.models import load_lm
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    for arch in ("mistral", "gemma3"):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config_for(arch, 2, len(tok))).save_pretrained(tmp_path / arch)
+        tok.save_pretrained(tmp_path / arch)
+        lm = load_lm(str(tmp_path / arch))
+        assert not can_pad(lm)
+        cfg = SamplingConfig(1.0, 0, 1.0)
+        alone = [batched_rollouts(lm, r.prefix, r.first_tokens, cfg, r.max_tokens, {1}, r.generator)
+                 for r in requests(5, lm)]
+        assert TorchEngine(lm).rollouts_many(requests(5, lm), cfg, {1}) == alone
