@@ -102,3 +102,24 @@ def test_demo_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| ar |" in out and "| sd |" in out and "| pad@" in out and "report:" in out
     assert (tmp_path / "demo" / "report.html").is_file()
+
+
+def test_hard_pair_is_registered_lossless_and_writes_in_two_styles():
+    from pivotspec.models import PAIRS
+
+    assert PAIRS["testbed-hard"].task == "arith-hard"
+    target, draft = load_lm("testbed-hard-target"), load_lm("testbed-hard-draft")
+    check_same_tokenizer(target, draft)
+    assert draft.num_layers <= 4 and draft.vocab_map is not None
+    assert sum(p.numel() for p in draft.model.parameters()) < 8_000_000
+    openings = {"target": set(), "draft": set()}
+    for p in get_task("arith-hard").problems("test", 2, seed=0):
+        ids = encode_problem(target.tokenizer, p)
+        ar = decode("ar", target, draft, ids, gamma=5, max_new_tokens=120, eos_ids=eos_ids(target))
+        sd = decode("sd", target, draft, ids, gamma=5, max_new_tokens=120, eos_ids=eos_ids(target))
+        assert sd.token_ids == ar.token_ids, p.id  # lossless on the shipped pair
+        own = decode("draft", target, draft, ids, gamma=5, max_new_tokens=120, eos_ids=eos_ids(target))
+        openings["target"].add(target.tokenizer.decode(ar.token_ids).split()[0])
+        openings["draft"].add(target.tokenizer.decode(own.token_ids).split()[0])
+    # The two models learned different wordings: their solutions open with different words.
+    assert openings["target"].isdisjoint(openings["draft"])

@@ -165,12 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     lab.set_defaults(func=cmd_label)
 
     demo = sub.add_parser("demo", help="the embedded testbed: ar, sd and pad side by side with a report",
-                          description="Decode test problems of an embedded pair's task (testbed: arith) with ar, sd "
-                          "and pad (the shipped classifier) and write a report to --out. An --out that holds "
+                          description="Decode test problems of an embedded pair's task (testbed: arith, "
+                          "testbed-hard: arith-hard) with ar, sd and pad (the shipped classifier) and write a "
+                          "report to --out. An --out that holds "
                           "anything but an earlier demo is refused unless --overwrite; an earlier demo there is "
                           "replaced.")
-    demo.add_argument("--pair", default="testbed", help="an embedded pair: testbed (task arith) or, once shipped, "
-                      "testbed-hard (task arith-hard)")
+    demo.add_argument("--pair", default="testbed", help="an embedded pair: testbed (task arith) or testbed-hard "
+                      "(task arith-hard; ar and sd only until its classifier ships)")
     demo.add_argument("--n", type=int, default=20, help="test problems of the pair's task")
     demo.add_argument("--out", type=Path, default=Path("pivotspec-demo"), help="report directory")
     demo.add_argument("--overwrite", action="store_true", help="replace whatever --out holds")

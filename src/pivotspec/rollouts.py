@@ -69,13 +69,17 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-def _prefix_cache(lm: LM, request: RolloutRequest) -> Any:
-    """A private copy of a KV cache holding the request's prefix (the walk's, or run now)."""
+def _prefix_cache(lm: LM, request: RolloutRequest, private: bool = True) -> Any:
+    """A KV cache holding the request's prefix: the walk's own (copied when ``private``, as the caller will
+    change it) or one run now (taken from ``lm``, which starts a fresh cache next time)."""
     if request.cache is not None:
-        return copy.deepcopy(request.cache)
+        return copy.deepcopy(request.cache) if private else request.cache
     if lm.cached_ids != request.prefix:
         lm.advance(request.prefix, keep_logits=1)
-    return copy.deepcopy(lm.cache)
+    if private:
+        return copy.deepcopy(lm.cache)  # the model keeps its cache: the next request may share the prefix
+    cache, lm.cache, lm.cached_ids = lm.cache, None, []
+    return cache
 
 
 def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
@@ -95,7 +99,7 @@ def padded_rollouts(lm: LM, requests: list[RolloutRequest], cfg: SamplingConfig,
     per second of a batch of 20 (one candidate's), which is what running walks side by side buys."""
     from pivotspec.kvcache import growing_cache
 
-    caches = [_prefix_cache(lm, r) for r in requests]
+    caches = [_prefix_cache(lm, r, private=False) for r in requests]  # only read: stacked into new tensors
     lengths = [len(r.prefix) for r in requests]
     longest = max(lengths)
     cache = growing_cache(lm.model.config)
