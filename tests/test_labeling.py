@@ -11,7 +11,8 @@ import torch
 from pivotspec import store
 from pivotspec.cli import main
 from pivotspec.errors import UsageError
-from pivotspec.labeling import LabelConfig, is_pivot, label_stats, run_labeling
+from pivotspec.label_files import label_stats
+from pivotspec.labeling import LabelConfig, is_pivot, run_labeling
 from pivotspec.tasks import Problem
 
 

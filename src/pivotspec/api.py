@@ -142,10 +142,11 @@ def label(pair: Pair, out: str | Path, *, task: str = "arith", split: str = "tra
           shard: tuple[int, int] | None = None, concurrency: int = 1, **label_config: Any) -> list[dict[str, Any]]:
     """Pivot labels by target rollouts into the JSONL file ``out`` (resumable); ``label_config``: the
     fields of ``labeling.LabelConfig`` (rollouts, temperature, mode, alpha, ...); ``shard=(i, n)`` labels only
-    the problems of shard i of n (join the files with ``labeling.merge_labels``); ``concurrency``: problems
+    the problems of shard i of n (join the files with ``label_files.merge_labels``); ``concurrency``: problems
     walked side by side, their rollouts batched together (faster; 1 reproduces bit for bit whatever the
     sharding). Returns all records."""
-    from pivotspec.labeling import LabelConfig, in_shard, run_labeling
+    from pivotspec.label_files import in_shard
+    from pivotspec.labeling import LabelConfig, run_labeling
     from pivotspec.models import load_lm
     from pivotspec.tasks import get_task
 

@@ -379,7 +379,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_label(args: argparse.Namespace) -> None:
-    from pivotspec.labeling import LabelConfig, label_stats, parse_shard
+    from pivotspec.label_files import label_stats, parse_shard
+    from pivotspec.labeling import LabelConfig
     from pivotspec.tasks import get_task
 
     config = dict(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
@@ -414,14 +415,14 @@ def cmd_label(args: argparse.Namespace) -> None:
 
 
 def cmd_labels_merge(args: argparse.Namespace) -> None:
-    from pivotspec.labeling import merge_labels
+    from pivotspec.label_files import merge_labels
 
     n = merge_labels(args.out, args.inputs, args.overwrite)
     print(f"{args.out}: {n['candidates']} candidates, {n['problems']} problems from {len(args.inputs)} files")
 
 
 def cmd_labels_stats(args: argparse.Namespace) -> None:
-    from pivotspec.labeling import label_stats
+    from pivotspec.label_files import label_stats
     from pivotspec.store import read_records
 
     if not args.file.is_file():

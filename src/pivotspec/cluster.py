@@ -1,6 +1,6 @@
 """Labeling spread over a Ray cluster: one Ray task per shard, each resuming from its own file.
 
-The problems are dealt round robin into N shards (``labeling.in_shard``); shard i is labeled by a
+The problems are dealt round robin into N shards (``label_files.in_shard``); shard i is labeled by a
 Ray task into ``<out stem>.shard<i>of<N>.jsonl`` beside ``out``, with the very code a single process runs
 (``api.label``), so a shard file is an ordinary resumable labels file. A task whose worker dies is retried
 by Ray and resumes from its file; when all shards are done they are merged into ``out``. Ray is the cluster
@@ -70,7 +70,7 @@ def label_on_ray(pair_args: dict[str, Any], out: Path, workers: int, label_args:
     ``out`` itself, if it already holds labels of the same run, is merged in rather than replaced."""
     import ray
 
-    from pivotspec.labeling import merge_labels
+    from pivotspec.label_files import merge_labels
 
     out = Path(out)  # workers >= 1 was checked by api.label_on_ray
     shards = [shard_path(out, i, workers) for i in range(workers)]
