@@ -163,3 +163,12 @@ def test_no_import_circles_and_no_library_module_imports_the_cli():
 
     cycles = {m: cycle_from(m) for m in library if cycle_from(m)}
     assert not cycles, cycles
+
+
+def test_task_defaults_to_the_pairs_task():
+    from pivotspec.cli import build_parser, task_name
+
+    assert task_name(build_parser().parse_args(["eval", "--pair", "testbed-hard"])) == "arith-hard"
+    assert task_name(build_parser().parse_args(["label", "--pair", "testbed", "--out", "x"])) == "arith"
+    assert task_name(build_parser().parse_args(["eval", "--pair", "testbed-hard", "--task", "arith"])) == "arith"
+    assert task_name(build_parser().parse_args(["eval", "--target", "t"])) == "arith"
