@@ -1,11 +1,13 @@
-"""PAD against SD and every training-free relaxed rule on the testbed: frontiers of accuracy vs speed.
+"""PAD against SD and every training-free relaxed rule on an embedded pair: frontiers of accuracy vs speed.
 
-    python benchmarks/pad_vs_sd.py --n 200
+    python benchmarks/pad_vs_sd.py --n 200                        # testbed (arith)
+    python benchmarks/pad_vs_sd.py --n 200 --pair testbed-hard    # testbed-hard (arith-hard)
 
 One `pivotspec eval` run (greedy, one untimed warm-up problem, method order rotated per problem), every
 method interleaved per problem so that machine drift hits all alike: `ar`, `draft` and `sd` once; PAD at
 the shipped classifier's calibrated sigma and a sigma sweep; each baseline at several values of its main
-knob. Prints and stores (benchmarks/results/pad_vs_sd.json, benchmarks/results/pad_vs_sd/):
+knob. Prints and stores (benchmarks/results/pad_vs_sd.json and benchmarks/results/pad_vs_sd/ for the
+testbed; pad_vs_sd-<pair>.json and pad_vs_sd-<pair>/ for another pair):
 - the table (accuracy, paired McNemar vs `ar` and vs `sd`, eta, tau, speedups);
 - per rule: its best accuracy at an acceptance rate (eta) at least PAD's at the calibrated sigma, and the
   best speedup it reaches within 1 point of `ar`'s accuracy;
@@ -30,11 +32,11 @@ from pivotspec.acceptance import Lossless
 from pivotspec.baselines import label as baseline_label
 from pivotspec.baselines import make_baseline
 from pivotspec.evaluation import EvalSettings, MethodSpec, evaluate, summarize
+from pivotspec.models import PAIRS
 from pivotspec.policies import make_policy
 from pivotspec.reports import fmt, paired_cell
 from pivotspec.store import read_records
 from pivotspec.tasks import get_task
-from pivotspec.testbed.artifacts import shipped_classifier
 
 # The main knob of each rule, from nearly SD (strict) to loose. typical keeps Medusa's delta = sqrt(epsilon).
 SWEEPS = {
@@ -47,8 +49,9 @@ SWEEPS = {
 RULE_OF = {"pad": "pad", **{name: name for name in SWEEPS}}
 
 
-def method_specs(target, gammas: list[int], main_gamma: int, sigmas: list[float]) -> tuple[list[MethodSpec], str]:
-    calibrated = make_policy("pad", target, pair="testbed")
+def method_specs(target, gammas: list[int], main_gamma: int, sigmas: list[float],
+                 pair: str = "testbed") -> tuple[list[MethodSpec], str]:
+    calibrated = make_policy("pad", target, pair=pair)
     main_pad = f"pad@{calibrated.sigma:.4g} g={main_gamma}"
     specs = [MethodSpec("ar", "ar"), MethodSpec("draft", "draft")]
     for g in gammas:
@@ -57,7 +60,7 @@ def method_specs(target, gammas: list[int], main_gamma: int, sigmas: list[float]
     for sigma in sigmas:
         if abs(sigma - calibrated.sigma) > 1e-9:
             specs.append(MethodSpec(f"pad@{sigma:g} g={main_gamma}", "pad",
-                                    make_policy("pad", target, sigma=sigma, pair="testbed"), main_gamma))
+                                    make_policy("pad", target, sigma=sigma, pair=pair), main_gamma))
     for rule_specs in SWEEPS.values():
         for spec in rule_specs:
             policy = make_baseline(spec)
@@ -175,6 +178,8 @@ def step_costs(rows: list[dict], labels: list[str]) -> tuple[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="testbed", choices=sorted(p for p, r in PAIRS.items() if r.task),
+                    help="embedded pair (default testbed); its task and shipped classifier are used")
     ap.add_argument("--n", type=int, default=200, help="test problems (default 200)")
     ap.add_argument("--gammas", default="5", help="gammas for sd and pad at the calibrated sigma (default 5)")
     ap.add_argument("--main-gamma", type=int, default=5, help="gamma of the sweeps (default 5)")
@@ -185,17 +190,20 @@ def main() -> None:
                     help="while this file exists the run waits between problems (untimed)")
     ap.add_argument("--summarize", action="store_true", help="only summarise the rows already written")
     args = ap.parse_args()
-    clf = shipped_classifier()
+    registered = PAIRS[args.pair]
+    clf = registered.classifier() if registered.classifier else None
     if clf is None:
-        raise SystemExit("pad_vs_sd: no shipped testbed classifier; train one first (see README)")
-    out = args.results / "pad_vs_sd"
-    settings = EvalSettings(task="arith", n=args.n, classifier=str(clf), out=out)
-    pair = api.load_pair(pair="testbed", threads=args.threads)
+        raise SystemExit(f"pad_vs_sd: {args.pair} ships no pivot classifier yet; train one first (see README)")
+    name = "pad_vs_sd" if args.pair == "testbed" else f"pad_vs_sd-{args.pair}"
+    out = args.results / name
+    settings = EvalSettings(task=registered.task, n=args.n, classifier=str(clf), out=out)
+    pair = api.load_pair(pair=args.pair, threads=args.threads)
     target, draft = pair.target, pair.draft
     gammas = [int(g) for g in args.gammas.split(",")]
-    specs, main_pad = method_specs(target, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")])
+    specs, main_pad = method_specs(target, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")],
+                                   args.pair)
     labels = [s.label for s in specs]
-    task = get_task("arith")
+    task = get_task(registered.task)
 
     paused = args.pause_file.with_suffix(".paused")
 
@@ -221,7 +229,7 @@ def main() -> None:
               "command": "python benchmarks/pad_vs_sd.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                   if k not in ("summarize", "results", "pause_file"))}
-    (args.results / "pad_vs_sd.json").write_text(json.dumps(result, indent=1))
+    (args.results / f"{name}.json").write_text(json.dumps(result, indent=1))
     print(f"{n} test problems (of {args.n} requested), greedy, every method interleaved per problem")
     print(table(summary, labels))
     print()
