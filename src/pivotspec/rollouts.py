@@ -82,6 +82,7 @@ def _prefix_cache(lm: LM, request: RolloutRequest, private: bool = True) -> Any:
     return cache
 
 
+@torch.inference_mode()
 def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
                      stop_ids: set[int], generator: torch.Generator, cache: Any = None) -> list[list[int]]:
     """The torch engine's sampler for one prefix: the prefix is run once (or its cache reused), the cache is
@@ -92,6 +93,7 @@ def batched_rollouts(lm: LM, prefix: list[int], first_tokens: list[int], cfg: Sa
     return _decode_rows(lm, [request], rows, None, cfg, stop_ids)[0]
 
 
+@torch.inference_mode()
 def padded_rollouts(lm: LM, requests: list[RolloutRequest], cfg: SamplingConfig,
                     stop_ids: set[int]) -> list[list[list[int]]]:
     """Several prefixes' rollouts in one batch: each prefix's keys and values are left-padded to the longest
