@@ -1,0 +1,128 @@
+"""Which target layer and classifier type tell pivots apart on a labels file: cross-validated AUROC.
+
+    python benchmarks/classifier_cv.py --pair testbed-hard --labels labels/testbed_hard_validation.jsonl \
+        --layers=-1,-4,-8,-12,-16 --types extended_v2,mlp --folds 5
+
+`train-classifier` reports AUROC on one held-out split of whole problems; with a few hundred candidates that
+split holds a dozen or two pivots and its AUROC moves by several points with the split seed. This script
+scores every candidate once, out of fold: problems go to K folds; for each fold a classifier is trained on
+the other folds exactly as `train-classifier` trains one (the same lr x weight-decay sweep, the same
+training filters, a selection split of the training problems for early stopping and the sweep) and scores
+the held-out fold. It prints pooled out-of-fold AUROC and the mean and spread over folds for every (layer,
+type) and for the p(d)-only and [entropy, p(d)] logistic references, and writes JSON. With the training
+filters (`--nonpivot-min-u-acc`, `--pivot-max-u-acc`) only the rows they keep train, and every candidate
+with U_rej > 0 is still scored. Features come from
+`pivotspec.features.extract` (the function the decoder's inputs are checked against) and are cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pivotspec import api, features, metrics
+from pivotspec import classifier as clf
+from pivotspec.classifier_cli import add_filter_args
+from pivotspec.classifier_training import Filters, check_labels_target, fit_with_sweep, inputs
+from pivotspec.models import PAIRS
+from pivotspec.store import read_records
+
+
+def fold_of(groups: torch.Tensor, folds: int, seed: int) -> torch.Tensor:
+    """Per row its fold; whole problems go to one fold."""
+    ids = torch.unique(groups)
+    perm = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))]
+    fold = torch.empty_like(groups)
+    for k in range(folds):
+        fold[torch.isin(groups, perm[k::folds])] = k
+    return fold
+
+
+def out_of_fold(feats: dict[str, torch.Tensor], fold: torch.Tensor, folds: int, kinds: list[str], epochs: int,
+                seed: int, trainable: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Out-of-fold pivot scores of every kind and of the logistic references. Only ``trainable`` rows (the
+    training filters) train and select; every held-out row is scored, so filters are judged on all
+    candidates, not on the easier ones they keep."""
+    y = feats["labels"]
+    scores = {k: torch.full((len(y),), float("nan")) for k in [*kinds, *clf.REFERENCES]}
+    for k in range(folds):
+        held, rest = fold == k, (fold != k) & trainable
+        # Train/selection inside the training folds, split by problem like train-classifier's 60/20.
+        inner = features.split_by_problem(feats["group"][rest], fractions=(0.25, 0.0), seed=seed + k)
+        inner[inner == 2] = 0  # split_by_problem keeps one problem for its report split: train on it
+        split = torch.full_like(y, 2)  # 2 = held out: neither trains nor selects
+        split[rest] = inner
+        for kind in kinds:
+            net, _ = fit_with_sweep(kind, feats, split, epochs=epochs, seed=seed)
+            scores[kind][held] = clf.pivot_scores(net, *inputs(kind, feats, held))
+        for name, cols in clf.REFERENCES.items():
+            ref = {"columns": cols, **clf.fit_logistic(feats["scalars"][rest][:, cols], y[rest])}
+            scores[name][held] = clf.logistic_scores(ref, feats["scalars"][held][:, cols])
+    return scores
+
+
+def summarise(scores: dict[str, torch.Tensor], y: torch.Tensor, fold: torch.Tensor, folds: int) -> dict[str, dict]:
+    out = {}
+    for name, s in scores.items():
+        per_fold = [metrics.auroc(s[fold == k], y[fold == k]) for k in range(folds)
+                    if 0 < int(y[fold == k].sum()) < int((fold == k).sum())]
+        out[name] = {"pooled_auroc": metrics.auroc(s, y), "fold_mean": statistics.mean(per_fold),
+                     "fold_sd": statistics.stdev(per_fold) if len(per_fold) > 1 else 0.0, "folds": per_fold}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="testbed", choices=sorted(PAIRS))
+    ap.add_argument("--labels", type=Path, required=True)
+    ap.add_argument("--layers", default="-8", help="comma-separated hidden_states indices (default -8)")
+    ap.add_argument("--types", default="extended_v2,mlp", help=f"classifier types, from {', '.join(clf.TYPES)}")
+    ap.add_argument("--folds", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, help="JSON (default benchmarks/results/classifier_cv-<labels stem>.json)")
+    add_filter_args(ap)
+    args = ap.parse_args()
+    # Scored: every candidate (with U_rej > 0 unless --keep-unsolvable); trained on: those the filters keep.
+    train_filters = Filters(pivot_max_u_acc=args.pivot_max_u_acc, nonpivot_min_u_acc=args.nonpivot_min_u_acc)
+    kinds = args.types.split(",")
+    if "extended" in kinds:
+        raise SystemExit("classifier_cv: 'extended' needs draft scalars; compare extended_v2, mlp and linear")
+    target = api.load_pair(pair=args.pair, threads=args.threads).target
+    records = read_records(args.labels, repair=False)
+    check_labels_target(records, target, args.labels)
+    key = features.file_hash(args.labels)
+    out = args.out or Path("benchmarks/results") / f"classifier_cv-{args.labels.stem}.json"
+    result = {"labels": str(args.labels), "folds": args.folds, "seed": args.seed,
+              "train_filters": {"pivot_max_u_acc": args.pivot_max_u_acc, "nonpivot_min_u_acc": args.nonpivot_min_u_acc},
+              "layers": {}}
+    for layer in [int(x) for x in args.layers.split(",")]:
+        t0 = time.perf_counter()
+        feats = features.extract(target, records, target.resolve_layer(layer), cache_key=key)
+        keep = Filters(drop_unsolvable=not args.keep_unsolvable).mask(feats)
+        feats = {k: v[keep] for k, v in feats.items()}
+        y = feats["labels"]
+        fold = fold_of(feats["group"], args.folds, args.seed)
+        scores = out_of_fold(feats, fold, args.folds, kinds, args.epochs, args.seed, train_filters.mask(feats))
+        summary = summarise(scores, y, fold, args.folds)
+        if not result["layers"]:
+            result.update(candidates=len(y), pivots=int(y.sum()), problems=len(torch.unique(feats["group"])))
+            print(f"{result['candidates']} candidates ({result['pivots']} pivots) from {result['problems']} problems "
+                  f"scored; {args.folds}-fold cross-validation by problem; trained with "
+                  f"{result['train_filters']}")
+            print("| layer | classifier | out-of-fold AUROC (pooled) | per fold: mean +- sd |\n|---|---|---|---|")
+        result["layers"][layer] = {**summary, "seconds": time.perf_counter() - t0}
+        for name, s in summary.items():
+            print(f"| {layer} | {name} | {s['pooled_auroc']:.3f} | {s['fold_mean']:.3f} +- {s['fold_sd']:.3f} |",
+                  flush=True)
+        out.write_text(json.dumps(result, indent=1))  # after every layer, so a stopped run keeps what it did
+
+
+if __name__ == "__main__":
+    main()
