@@ -13,77 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from pivotspec import api
+from pivotspec.cli_common import (
+    SPLITS,
+    TASK_NAMES,
+    Parser,
+    add_chat_args,
+    add_decoding_args,
+    add_model_args,
+    load_pair,
+    task_name,
+)
 from pivotspec.errors import UsageError
 from pivotspec.models import PAIRS
 from pivotspec.store import ensure_writable_dir
-
-SPLITS = "train, validation or test (arith, arith-hard); test (humaneval, gsm8k, mbpp, jsonl: the file's rows)"
-TASK_NAMES = "arith, arith-hard, humaneval, gsm8k, mbpp or jsonl (default: the --pair's task, else arith)"
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every flag's default (flags whose default is None or False show none)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)  # a typo must not silently match a longer flag
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # one line, not usage + message
-        raise UsageError(f"{self.prog}: {message} (see --help)")
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise UsageError(f"--chat-template-kwargs must be a JSON object, got {text!r}") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
-    return value
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models")
-    g.add_argument("--target", help="target model: registered name, HF directory, .gguf file or cached hub id")
-    g.add_argument("--draft", help="draft model sharing the target's tokenizer")
-    g.add_argument("--pair", choices=sorted(PAIRS), help="shorthand for a registered target/draft pair (its task is "
-                   "then the default --task)")
-    g.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: $PIVOTSPEC_DEVICE, else "
-                   "auto: CUDA if available, else CPU)")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else "
-                   "float32)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-
-
-def add_chat_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' for Qwen3')
-
-
-def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
-    g = p.add_argument_group("decoding")
-    g.add_argument("--gamma", type=int, default=5, help="draft tokens per step")
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="token budget per completion")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (and problem order for eval)")
-    g.add_argument("--classifier", help="pivot classifier for --method pad: a directory from train-classifier, "
-                   "or const:SCORE (a constant score, for ablations); with an embedded --pair its shipped one")
-    g.add_argument("--sigma", type=float, default=None,
-                   help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
-                   "0.5 for const:)")
-    g.add_argument("--tau", type=float, default=1e-4, help="PAD: overrides need target prob >= tau")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
-    add_chat_args(p)
 
 
 def _version() -> str:
@@ -93,9 +35,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pivotspec", description="Pivot-aware speculative decoding (PAD) on Hugging Face causal LMs.")
+    parser = Parser(prog="pivotspec", description="Pivot-aware speculative decoding (PAD) on Hugging Face causal LMs.")
     parser.add_argument("--version", action="version", version=f"pivotspec {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="decode prompts with ar, draft, sd or pad")
     add_model_args(gen)
@@ -128,41 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
 
-    lab = sub.add_parser("label", help="label pivot tokens by Monte-Carlo rollouts of the target (resumable)")
-    add_model_args(lab)
-    lab.add_argument("--task", help=TASK_NAMES)
-    lab.add_argument("--split", default="train", help=SPLITS)
-    lab.add_argument("--n-problems", type=int, default=50, help="problems to walk")
-    lab.add_argument("--rollouts", type=int, default=20, help="N rollouts after d and N after t")
-    lab.add_argument("--temperature", type=float, default=0.7, help="rollout temperature")
-    lab.add_argument("--top-p", type=float, default=1.0, help="rollout nucleus mass")
-    lab.add_argument("--max-rollout-tokens", type=int, default=160, help="length cap of each rollout")
-    lab.add_argument("--max-walk-tokens", type=int, default=200, help="length cap of the walked trajectory")
-    lab.add_argument("--mode", choices=["mul", "add", "abs"], default="mul",
-                     help="mul: U_acc < alpha*U_rej; add: U_acc + alpha < U_rej; abs: U_acc < alpha")
-    lab.add_argument("--alpha", type=float, default=0.5, help="threshold of --mode")
-    lab.add_argument("--follow", choices=["label", "target"], default="label",
-                     help="continue the walk with d when non-pivot (label) or always with t (target)")
-    lab.add_argument("--min-target-rate", type=float, default=0.3,
-                     help="skip problems the target solves at <= this rate from the prompt (-1: no screening)")
-    lab.add_argument("--judge", help="local HF causal LM that may flip non-pivots to pivots (off by default)")
-    lab.add_argument("--out", type=Path, required=True, help="labels JSONL (appended; reruns resume)")
-    lab.add_argument("--overwrite", action="store_true", help="start the file over instead of resuming")
-    lab.add_argument("--seed", type=int, default=0, help="problem order and rollout seed")
-    lab.add_argument("--shard", help="I/N: label only shard I of N of the problems (every N-th, from the I-th) into "
-                     "--out; join the shard files with `pivotspec labels merge`")
-    lab.add_argument("--engine", choices=["torch", "vllm"], default="torch",
-                     help="who samples the rollouts: pivotspec's torch loop, or vLLM (./install.sh --with-vllm, or "
-                     "the official vllm on GPUs); the walk runs on torch either way")
-    lab.add_argument("--concurrency", type=int, default=1, help="problems walked side by side, their rollouts "
-                     "sampled in one batch (torch engine: ~1.5x the rollouts/s at 4 on a CPU; 1 reproduces a run "
-                     "bit for bit whatever the sharding)")
-    lab.add_argument("--ray", action="store_true", help="label --workers shards as Ray tasks and merge them into --out")
-    lab.add_argument("--ray-address", help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a "
-                     "local cluster started for the run")
-    lab.add_argument("--workers", type=int, default=2, help="shards (Ray tasks) with --ray")
-    add_chat_args(lab)
-    lab.set_defaults(func=cmd_label)
+    from pivotspec.labels_cli import add_parsers as add_labels_parsers
+
+    add_labels_parsers(sub)  # label, labels stats|merge
 
     demo = sub.add_parser("demo", help="the embedded testbed: ar, sd and pad side by side with a report",
                           description="Decode test problems of an embedded pair's task (testbed: arith, "
@@ -198,28 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pivotspec.classifier_cli import add_parsers as add_classifier_parsers
     add_classifier_parsers(sub, add_model_args)
 
-    labels = sub.add_parser("labels", help="inspect a labels file")
-    labels_sub = labels.add_subparsers(dest="labels_command", required=True, parser_class=_Parser,
-                                       metavar="{stats,merge}", title="subcommands")
-    st = labels_sub.add_parser("stats", help="counts, pivot share, U distributions, candidates per problem")
-    st.add_argument("file", type=Path)
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--pair", help="with a target (--pair or --target): also how well p(d) alone separates pivots")
-    st.add_argument("--target", help="the target the labels were made with (see --pair)")
-    st.add_argument("--classifier", type=Path, help="also this classifier's report-split AUROC (with a target)")
-    st.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
-    st.set_defaults(func=cmd_labels_stats)
-    mg = labels_sub.add_parser("merge", help="join labels files of one run (e.g. shards), de-duplicated")
-    mg.add_argument("out", type=Path, help="merged labels file (written whole, then renamed)")
-    mg.add_argument("inputs", type=Path, nargs="+", help="labels files to join")
-    mg.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    mg.set_defaults(func=cmd_labels_merge)
     return parser
-
-
-def load_pair(args: argparse.Namespace, needs_draft: bool) -> api.Pair:
-    return api.load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
-                         device=args.device, needs_draft=needs_draft)
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:
@@ -269,14 +158,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
             tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
             eta = f"{s['eta']:.2f}" if s["eta"] is not None else "-"
             print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
-
-
-def task_name(args: argparse.Namespace) -> str:
-    """--task, else the task the --pair was trained for, else arith."""
-    if args.task:
-        return args.task
-    pair = PAIRS.get(args.pair) if args.pair else None
-    return pair.task if pair is not None and pair.task else "arith"
 
 
 def _eval_settings(args: argparse.Namespace) -> Any:
@@ -376,91 +257,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
     print(f"pivotspec: serving {settings.model!r} ({settings.method}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     serve(pair, settings, args.host, args.port)
-
-
-def cmd_label(args: argparse.Namespace) -> None:
-    from pivotspec.label_files import label_stats, parse_shard
-    from pivotspec.labeling import LabelConfig
-    from pivotspec.tasks import get_task
-
-    config = dict(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
-                  max_rollout_tokens=args.max_rollout_tokens, mode=args.mode, alpha=args.alpha, follow=args.follow,
-                  min_target_rate=args.min_target_rate, max_walk_tokens=args.max_walk_tokens, seed=args.seed,
-                  engine=args.engine)
-    LabelConfig(**config)  # argument errors before the (slow) model loading
-    if args.n_problems < 1:
-        raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
-    if args.concurrency < 1:
-        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
-    args.task = task_name(args)
-    get_task(args.task)
-    run = dict(task=args.task, split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
-               judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, concurrency=args.concurrency,
-               **config)
-    if args.ray:
-        if args.shard:
-            raise UsageError("--ray makes its own shards: drop --shard (or run one shard per machine without --ray)")
-        merged = api.label_on_ray(args.out, target=args.target, draft=args.draft, pair=args.pair, dtype=args.dtype,
-                                  device=args.device, threads=args.threads, workers=args.workers,
-                                  address=args.ray_address, **run)
-        print(f"{args.out}: {merged['candidates']} candidates, {merged['problems']} problems from "
-              f"{args.workers} shards")
-        return
-    shard = parse_shard(args.shard) if args.shard else None
-    pair = load_pair(args, needs_draft=True)
-    records = api.label(pair, args.out, shard=shard, **run)
-    s = label_stats(records)
-    print(f"{args.out}: {s['candidates']} candidates, {s['pivots']} pivots, "
-          f"{s['problems_done']} problems done, {s['problems_skipped']} skipped")
-
-
-def cmd_labels_merge(args: argparse.Namespace) -> None:
-    from pivotspec.label_files import merge_labels
-
-    n = merge_labels(args.out, args.inputs, args.overwrite)
-    print(f"{args.out}: {n['candidates']} candidates, {n['problems']} problems from {len(args.inputs)} files")
-
-
-def cmd_labels_stats(args: argparse.Namespace) -> None:
-    from pivotspec.label_files import label_stats
-    from pivotspec.store import read_records
-
-    if not args.file.is_file():
-        raise UsageError(f"labels file {str(args.file)!r} does not exist: check the path")
-    s = label_stats(read_records(args.file, repair=False))
-    if args.pair or args.target:
-        from pivotspec.classifier_training import probability_properties
-
-        pair = api.load_pair(args.target, pair=args.pair, device=args.device)
-        s["p_d"] = probability_properties(args.file, pair.target, args.classifier)
-    elif args.classifier:
-        raise UsageError("--classifier needs the target: pass --pair or --target")
-    if args.json:
-        print(json.dumps(s))
-        return
-    share = "-" if s["pivot_share"] is None else f"{s['pivot_share']:.3f}"
-    cpp = s["candidates_per_problem"]
-    print(f"candidates {s['candidates']} | pivots {s['pivots']} (share {share}) | problems done "
-          f"{s['problems_done']}, skipped {s['problems_skipped']} | rollouts {s['rollouts']}")
-    print(f"candidates per problem: mean {cpp['mean']:.1f}, min {cpp['min']}, max {cpp['max']}")
-    print("U bins  " + " ".join(f"{b:>5.1f}" for b in s["hist_bins"][:-1]))
-    print("U_acc   " + " ".join(f"{c:>5d}" for c in s["u_acc_hist"]))
-    print("U_rej   " + " ".join(f"{c:>5d}" for c in s["u_rej_hist"]))
-    if s["rollouts_per_s"]:
-        print(f"rollout time {s['rollout_s'] / 60:.1f} min, {s['rollouts_per_s']:.2f} rollouts/s "
-              "(candidates that recorded it)")
-    if s["candidates"]:
-        print("pivot share by rule: " + ", ".join(f"{r['mode']} {r['alpha']:g}: {r['pivot_share']:.3f}"
-                                                  for r in s["rule_sweep"]))
-    if "p_d" in s:
-        p = s["p_d"]
-        print(f"p(d) < {p['threshold']:g} among non-pivots: {p['harmless_low_p']:.3f} | p(d) > {p['threshold']:g} "
-              f"among pivots: {p['pivots_high_p']:.3f}")
-        line = f"report split ({p['report_candidates']} candidates) AUROC: p(d) only {p['report_auroc_p_d']:.3f}"
-        if "report_auroc_classifier" in p:
-            note = "" if p["classifier_trained_on_this_file"] else " (classifier trained on another file)"
-            line += f", classifier {p['report_auroc_classifier']:.3f}{note}"
-        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,93 @@
+"""What every ``pivotspec`` subcommand's parser shares: the parser class with one-line errors, the model,
+decoding and chat-template flags, and resolving those flags into models and a task."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pivotspec import api
+from pivotspec.errors import UsageError
+from pivotspec.models import PAIRS
+
+SPLITS = "train, validation or test (arith, arith-hard); test (humaneval, gsm8k, mbpp, jsonl: the file's rows)"
+TASK_NAMES = "arith, arith-hard, humaneval, gsm8k, mbpp or jsonl (default: the --pair's task, else arith)"
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default (flags whose default is None or False show none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # a typo must not silently match a longer flag
+        kwargs.setdefault("formatter_class", Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # one line, not usage + message
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise UsageError(f"--chat-template-kwargs must be a JSON object, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"--chat-template-kwargs must be a JSON object, got {text!r}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", help="target model: registered name, HF directory, .gguf file or cached hub id")
+    g.add_argument("--draft", help="draft model sharing the target's tokenizer")
+    g.add_argument("--pair", choices=sorted(PAIRS), help="shorthand for a registered target/draft pair (its task is "
+                   "then the default --task)")
+    g.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: $PIVOTSPEC_DEVICE, else "
+                   "auto: CUDA if available, else CPU)")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else "
+                   "float32)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help='extra variables for the chat template, e.g. \'{"enable_thinking": false}\' for Qwen3')
+
+
+def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--gamma", type=int, default=5, help="draft tokens per step")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="token budget per completion")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and problem order for eval)")
+    g.add_argument("--classifier", help="pivot classifier for --method pad: a directory from train-classifier, "
+                   "or const:SCORE (a constant score, for ablations); with an embedded --pair its shipped one")
+    g.add_argument("--sigma", type=float, default=None,
+                   help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
+                   "0.5 for const:)")
+    g.add_argument("--tau", type=float, default=1e-4, help="PAD: overrides need target prob >= tau")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
+    add_chat_args(p)
+
+
+def load_pair(args: argparse.Namespace, needs_draft: bool) -> api.Pair:
+    return api.load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
+                         device=args.device, needs_draft=needs_draft)
+
+
+def task_name(args: argparse.Namespace) -> str:
+    """--task, else the task the --pair was trained for, else arith."""
+    if args.task:
+        return args.task
+    pair = PAIRS.get(args.pair) if args.pair else None
+    return pair.task if pair is not None and pair.task else "arith"
