@@ -40,8 +40,8 @@ def add_parsers(sub: Any) -> None:
                      help="who samples the rollouts: pivotspec's torch loop, or vLLM (./install.sh --with-vllm, or "
                      "the official vllm on GPUs); the walk runs on torch either way")
     lab.add_argument("--concurrency", type=int, default=1, help="problems walked side by side, their rollouts "
-                     "sampled in one batch (torch engine: ~1.5x the rollouts/s at 4 on a CPU; 1 reproduces a run "
-                     "bit for bit whatever the sharding)")
+                     "sampled in one batch (torch engine: 1.19x the wall-clock rate at 4 on 2 CPU cores, see "
+                     "README; 1 reproduces a run bit for bit whatever the sharding)")
     lab.add_argument("--ray", action="store_true", help="label --workers shards as Ray tasks and merge them into --out")
     lab.add_argument("--ray-address", help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: a "
                      "local cluster started for the run")
