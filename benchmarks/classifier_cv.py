@@ -30,6 +30,7 @@ from pivotspec import classifier as clf
 from pivotspec.classifier_cli import add_filter_args
 from pivotspec.classifier_training import Filters, check_labels_target, fit_with_sweep, inputs
 from pivotspec.models import PAIRS
+from pivotspec.reports import fmt
 from pivotspec.store import read_records
 
 
@@ -66,14 +67,24 @@ def out_of_fold(feats: dict[str, torch.Tensor], fold: torch.Tensor, folds: int, 
     return scores
 
 
-def summarise(scores: dict[str, torch.Tensor], y: torch.Tensor, fold: torch.Tensor, folds: int) -> dict[str, dict]:
+def summarise(scores: dict[str, torch.Tensor], y: torch.Tensor, fold: torch.Tensor, folds: int,
+              number: torch.Tensor) -> dict[str, dict]:
+    """Pooled and per-fold AUROC, and pooled AUROC within number tokens and within word tokens (d with and
+    without a digit): on arithmetic tasks the two kinds of pivots (a wrong result, a wrong word) differ."""
     out = {}
     for name, s in scores.items():
         per_fold = [metrics.auroc(s[fold == k], y[fold == k]) for k in range(folds)
                     if 0 < int(y[fold == k].sum()) < int((fold == k).sum())]
         out[name] = {"pooled_auroc": metrics.auroc(s, y), "fold_mean": statistics.mean(per_fold),
-                     "fold_sd": statistics.stdev(per_fold) if len(per_fold) > 1 else 0.0, "folds": per_fold}
+                     "fold_sd": statistics.stdev(per_fold) if len(per_fold) > 1 else 0.0, "folds": per_fold,
+                     **{f"{kind}_auroc": metrics.auroc(s[m], y[m]) if 0 < int(y[m].sum()) < int(m.sum()) else None
+                        for kind, m in (("number", number), ("word", ~number))}}
     return out
+
+
+def is_number(tokenizer, records: list[dict]) -> torch.Tensor:
+    """Per candidate (in ``features.candidates`` order): does the draft token d hold a digit?"""
+    return torch.tensor([any(ch.isdigit() for ch in tokenizer.decode([r["d"]])) for r in features.candidates(records)])
 
 
 def main() -> None:
@@ -107,20 +118,25 @@ def main() -> None:
         feats = features.extract(target, records, target.resolve_layer(layer), cache_key=key)
         keep = Filters(drop_unsolvable=not args.keep_unsolvable).mask(feats)
         feats = {k: v[keep] for k, v in feats.items()}
+        number = is_number(target.tokenizer, records)[keep]
         y = feats["labels"]
         fold = fold_of(feats["group"], args.folds, args.seed)
         scores = out_of_fold(feats, fold, args.folds, kinds, args.epochs, args.seed, train_filters.mask(feats))
-        summary = summarise(scores, y, fold, args.folds)
+        summary = summarise(scores, y, fold, args.folds, number)
         if not result["layers"]:
-            result.update(candidates=len(y), pivots=int(y.sum()), problems=len(torch.unique(feats["group"])))
+            result.update(candidates=len(y), pivots=int(y.sum()), problems=len(torch.unique(feats["group"])),
+                          number_candidates=int(number.sum()), number_pivots=int(y[number].sum()))
             print(f"{result['candidates']} candidates ({result['pivots']} pivots) from {result['problems']} problems "
                   f"scored; {args.folds}-fold cross-validation by problem; trained with "
-                  f"{result['train_filters']}")
-            print("| layer | classifier | out-of-fold AUROC (pooled) | per fold: mean +- sd |\n|---|---|---|---|")
+                  f"{result['train_filters']}; d is a number token for {result['number_candidates']} of them "
+                  f"({result['number_pivots']} pivots)")
+            print("| layer | classifier | out-of-fold AUROC (pooled) | per fold: mean +- sd | within number tokens | "
+                  "within word tokens |\n|---|---|---|---|---|---|")
         result["layers"][layer] = {**summary, "seconds": time.perf_counter() - t0}
         for name, s in summary.items():
-            print(f"| {layer} | {name} | {s['pooled_auroc']:.3f} | {s['fold_mean']:.3f} +- {s['fold_sd']:.3f} |",
-                  flush=True)
+            within = " | ".join(fmt(s[f"{k}_auroc"], ".3f") for k in ("number", "word"))
+            print(f"| {layer} | {name} | {s['pooled_auroc']:.3f} | {s['fold_mean']:.3f} +- {s['fold_sd']:.3f} | "
+                  f"{within} |", flush=True)
         out.write_text(json.dumps(result, indent=1))  # after every layer, so a stopped run keeps what it did
 
 

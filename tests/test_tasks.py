@@ -98,3 +98,9 @@ def test_arith_hard_splits_checker_and_two_wording_styles():
     total = sum(abs(first_steps["target"][k] - first_steps["draft"][k]) for k in
                 set(first_steps["target"]) | set(first_steps["draft"])) / 800
     assert total > 0.4  # the draft's style is a different distribution over the same kind of sentences
+    from pivotspec.tasks.arith_hard import DRAFT_STYLE, TARGET_STYLE
+
+    for part, weights in TARGET_STYLE.items():  # the target has seen every wording the draft writes...
+        assert all(w > 0 for w, d in zip(weights, DRAFT_STYLE[part], strict=True) if d > 0), part
+        rare = [w for w, d in zip(weights, DRAFT_STYLE[part], strict=True) if d == max(DRAFT_STYLE[part])]
+        assert max(rare) / sum(weights) <= 0.1, part  # ...and finds the draft's favourites unlikely

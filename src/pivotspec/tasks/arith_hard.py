@@ -45,8 +45,11 @@ TAILS = (".", " {o}.", ", so {n} has {y} {o}.", ". {n} now has {y} {o}.", " {o} 
 STARTS = ("{n} starts with {a} {o}.", "At first {n} has {a} {o}.", "{n} begins with {a} {o}.",
           "In the beginning there are {a} {o}.", "We start from {a} {o}.", "Initially {n} owns {a} {o}.")
 
-TARGET_STYLE = {"connectors": (4, 3, 2, 1, 2, 1, 0, 0), "equations": (4, 2, 2, 1, 1, 1, 1, 0),
-                "tails": (2, 3, 3, 2, 1, 1, 0, 0), "starts": (3, 2, 2, 1, 0, 1)}
+# The target has seen every phrasing (weight >= 1), the draft's favourites rarely: a real target has read
+# most wordings a small draft writes and finds them unlikely but not strange. (The first design gave the
+# draft's favourites weight 0; the target then lost its way after them, so many wording tokens were pivots.)
+TARGET_STYLE = {"connectors": (4, 3, 2, 1, 2, 1, 1, 1), "equations": (4, 2, 2, 1, 1, 1, 1, 1),
+                "tails": (2, 3, 3, 2, 1, 1, 1, 1), "starts": (3, 2, 2, 1, 1, 1)}
 DRAFT_STYLE = {"connectors": (1, 1, 1, 2, 1, 2, 3, 3), "equations": (1, 1, 1, 3, 3, 1, 2, 3),
                "tails": (1, 1, 1, 1, 2, 3, 3, 3), "starts": (1, 1, 1, 3, 3, 1)}
 STYLES = {"target": TARGET_STYLE, "draft": DRAFT_STYLE}
