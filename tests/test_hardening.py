@@ -114,3 +114,47 @@ def test_truncated_gguf_is_a_one_line_error(smollm2, tmp_path, capsys):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(_smollm2_gguf().read_bytes()[: 1 << 20])  # the header and the start of the tensors
     one_line_error(capsys, ["generate", "--target", str(cut), "--prompt", "x"], "not a readable GGUF")
+
+
+def test_weights_fingerprint_tells_retrained_weights_apart_but_not_dtypes(tiny_dir, tmp_path):
+    import torch
+
+    from pivotspec.models import load_lm
+
+    path = str(tiny_dir["llama_target"])
+    f32, bf16 = load_lm(path), load_lm(path, dtype="bfloat16")
+    assert f32.weights_fingerprint == bf16.weights_fingerprint  # trained on a CPU, decoded on a GPU in bf16
+    retrained = load_lm(path)
+    with torch.no_grad():
+        retrained.model.model.layers[-1].mlp.down_proj.weight.mul_(1.5)  # same name and shape, new weights
+    assert retrained.weights_fingerprint != f32.weights_fingerprint
+    assert load_lm(str(tiny_dir["qwen3_target"])).weights_fingerprint != f32.weights_fingerprint
+
+
+def test_labels_and_classifiers_of_other_weights_of_the_same_target_are_refused(tiny_dir, tmp_path, capsys):
+    from pivotspec.classifier_training import check_labels_target
+    from pivotspec.errors import UsageError
+    from pivotspec.labeling import model_identity
+    from pivotspec.models import load_lm
+    from tests.test_classifier import trained_classifier
+
+    target = load_lm(str(tiny_dir["llama_target"]))
+    mine = model_identity(target)
+    labels = fake_labels(tmp_path / "labels.jsonl")
+    rows = [json.loads(x) for x in labels.read_text().splitlines()]
+    for weights, refused in ((mine["weights"], False), (None, False), ("0123456789abcdef", True)):
+        made_with = {**mine, "weights": weights} if weights else {k: v for k, v in mine.items() if k != "weights"}
+        records = [{**r, "target": made_with} for r in rows]
+        if refused:
+            with pytest.raises(UsageError, match="other weights of target"):
+                check_labels_target(records, target, labels)
+        else:
+            check_labels_target(records, target, labels)  # the same weights, or a file from before fingerprints
+    clf_dir = trained_classifier(tiny_dir, tmp_path)
+    config = json.loads((clf_dir / "classifier.json").read_text())
+    assert config["target"]["weights"] == mine["weights"]
+    config["target"]["weights"] = "0123456789abcdef"  # as if the target had been retrained since
+    (clf_dir / "classifier.json").write_text(json.dumps(config))
+    one_line_error(capsys, ["generate", "--target", str(tiny_dir["llama_target"]), "--draft",
+                            str(tiny_dir["llama_draft"]), "--method", "pad", "--classifier", str(clf_dir),
+                            "--prompt", "w1 w2"], "other weights of target")

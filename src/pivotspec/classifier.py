@@ -195,6 +195,9 @@ def check_compatible(config: dict[str, Any], target: Any) -> None:
     if made_for.get("name") != target.name:
         raise UsageError(f"classifier was trained for target {made_for.get('name')!r}, not {target.name!r}: "
                          "train one for this target")
+    if made_for.get("weights") not in (None, target.weights_fingerprint):  # None: saved before fingerprints
+        raise UsageError(f"classifier was trained for other weights of target {target.name!r} (fingerprint "
+                         f"{made_for['weights']}, this one {target.weights_fingerprint}): train one for this target")
     if config.get("feature_row") != FEATURE_ROW:
         raise UsageError(f"classifier reads the hidden state at the {config.get('feature_row', 'predicting')!r} row, "
                          f"this version feeds the {FEATURE_ROW!r} row: train it again with this version")

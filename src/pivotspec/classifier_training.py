@@ -165,13 +165,18 @@ def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended
 
 def check_labels_target(records: list[dict], target: LM, path: Path) -> None:
     """Labels made with another target describe that model's rollouts, not this one's."""
-    from pivotspec.labeling import model_identity
+    from pivotspec.labeling import model_identity, same_model
 
     made_with = next((r.get("target") for r in records if r.get("type") == "candidate"), None)
-    if made_with is not None and made_with != model_identity(target):
-        raise UsageError(f"{path} was labeled with target {made_with.get('name')!r} "
-                         f"({made_with.get('num_layers')} layers, width {made_with.get('d_model')}), not "
-                         f"{target.name!r}: label with this target or pass the target the labels were made with")
+    mine = model_identity(target)
+    if made_with is None or same_model(made_with, mine):
+        return
+    if all(made_with.get(k) == mine[k] for k in ("name", "num_layers", "d_model")):
+        raise UsageError(f"{path} was labeled with other weights of target {target.name!r} (fingerprint "
+                         f"{made_with.get('weights')}, this one {mine['weights']}): relabel with this target")
+    raise UsageError(f"{path} was labeled with target {made_with.get('name')!r} "
+                     f"({made_with.get('num_layers')} layers, width {made_with.get('d_model')}), not "
+                     f"{target.name!r}: label with this target or pass the target the labels were made with")
 
 
 def evaluate_on_labels(classifier_dir: Path, labels: Path, target: LM, draft: LM | None, plots: Path,

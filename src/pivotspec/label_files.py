@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pivotspec.errors import UsageError
-from pivotspec.labeling import IDENTITY, is_pivot
+from pivotspec.labeling import identity_diff, is_pivot
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -46,11 +46,9 @@ def merge_labels(out: Path, inputs: list[Path], overwrite: bool = False) -> dict
             raise UsageError(f"labels file {str(path)!r} does not exist: check the path")
         records = read_records(Path(path), repair=False)
         for rec in records:
-            mine = {k: rec.get(k) for k in IDENTITY}
             if identity is None:
-                identity, source = mine, path
-            elif mine != identity:
-                diff = sorted(k for k in IDENTITY if mine[k] != identity[k])
+                identity, source = rec, path
+            elif diff := identity_diff(rec, identity):
                 raise UsageError(f"{path} was made with a different {', '.join(diff)} than {source}: merge only "
                                  "shards of one labeling run")
             key = (rec.get("type"), rec["problem_id"], rec.get("step"))

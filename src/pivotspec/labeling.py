@@ -93,8 +93,26 @@ def success_rates(task: Task, problem: Problem, tokenizer: Any, generated: list[
 
 
 def model_identity(lm: LM) -> dict:
-    """What a label or a classifier was made with: the model's name and shape."""
-    return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size}
+    """What a label or a classifier was made with: the model's name, shape and a fingerprint of its weights
+    (a retrained model keeps its name and shape)."""
+    return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size,
+            "weights": lm.weights_fingerprint}
+
+
+def same_model(a: dict | None, b: dict | None) -> bool:
+    """Two model identities agree on every field both have: files written before a field existed (such as
+    "weights") still match on the rest."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return a == b
+    return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+
+def identity_diff(a: dict, b: dict) -> list[str]:
+    """The ``IDENTITY`` fields on which two labels records (or a record and a run) differ."""
+    def same(k: str) -> bool:
+        return same_model(a.get(k), b.get(k)) if k in ("target", "draft") else a.get(k) == b.get(k)
+
+    return sorted(k for k in IDENTITY if not same(k))
 
 
 def screen_request(target: LM, problem: Problem, prompt: list[int], cfg: LabelConfig) -> RolloutRequest:
@@ -291,10 +309,8 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
             "draft": model_identity(draft), "judge": judge.name if judge else None}
     existing = read_records(out)
     for rec in existing[:1]:
-        mine = {k: rec.get(k) for k in IDENTITY}
-        theirs = {k: base[k] for k in mine}
-        if mine != theirs:
-            diff = sorted(k for k in mine if mine[k] != theirs[k])
+        diff = identity_diff(rec, base)
+        if diff:
             raise UsageError(
                 f"{out} was made with a different {', '.join(diff)}: pass --overwrite or use another --out")
     finished = {r["problem_id"] for r in existing if r.get("type") == "problem"}

@@ -9,6 +9,7 @@ feed only the tokens the cache lacks and roll back rejected draft tokens instead
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -195,6 +196,21 @@ class LM:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     forward_s: float = 0.0  # wall seconds spent inside model forwards (for overhead accounting)
     source: Path | str | None = None  # the directory it was loaded from (an engine such as vLLM reloads it)
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    @property
+    def weights_fingerprint(self) -> str:
+        """16 hex digits telling two sets of weights apart (a retrained model keeps its name and shape):
+        a hash of every parameter's name and 4,096 values spread over it, rounded to bfloat16 so one checkpoint
+        loaded in float32 on a CPU or in bfloat16 on a GPU gives one fingerprint. Computed once."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for name, param in sorted(self.model.named_parameters()):
+                flat = param.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16)
+                digest.update(name.encode() + sample.view(torch.int16).cpu().numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:16]
+        return self._fingerprint
 
     @property
     def num_layers(self) -> int:
