@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "anything but an earlier demo is refused unless --overwrite; an earlier demo there is "
                           "replaced.")
     demo.add_argument("--pair", default="testbed", help="an embedded pair: testbed (task arith) or testbed-hard "
-                      "(task arith-hard; ar and sd only until its classifier ships)")
+                      "(task arith-hard)")
     demo.add_argument("--n", type=int, default=20, help="test problems of the pair's task")
     demo.add_argument("--out", type=Path, default=Path("pivotspec-demo"), help="report directory")
     demo.add_argument("--overwrite", action="store_true", help="replace whatever --out holds")
