@@ -10,7 +10,8 @@ knob. Prints and stores (benchmarks/results/pad_vs_sd.json and benchmarks/result
 testbed; pad_vs_sd-<pair>.json and pad_vs_sd-<pair>/ for another pair):
 - the table (accuracy, paired McNemar vs `ar` and vs `sd`, eta, tau, speedups);
 - per rule: its best accuracy at an acceptance rate (eta) at least PAD's at the calibrated sigma, and the
-  best speedup it reaches within 1 point of `ar`'s accuracy;
+  highest eta and best speedup it reaches within 1 point of `ar`'s accuracy;
+- the goal check: PAD's highest eta within 1 point of `ar` against every rule's, and PAD's speedup over SD;
 - frontier.png: accuracy against speedup and against eta, one curve per rule;
 - the step-cost table (where a step's time goes, and the speedup ceiling if every draft were kept).
 Rows are appended to benchmarks/results/pad_vs_sd/results.jsonl as they come: rerun the same command to
@@ -104,8 +105,8 @@ def frontier(summary: dict, labels: list[str], main_pad: str, main_gamma: int) -
     """Per rule at the main gamma: best accuracy at eta >= PAD's (calibrated sigma), best speedup within
     1 point of ar's accuracy."""
     ar_acc, pad_eta = summary["ar"]["accuracy"], summary[main_pad]["eta"]
-    lines = [f"| rule | points | best accuracy at eta >= {pad_eta:.3f} (PAD's) | its eta | best speedup within 1 point "
-             f"of ar ({ar_acc:.3f}) | its accuracy |", "|---|---|---|---|---|---|"]
+    lines = [f"| rule | points | best accuracy at eta >= {pad_eta:.3f} (PAD's) | its eta | highest eta within 1 point "
+             f"of ar ({ar_acc:.3f}) | best speedup within 1 point | its accuracy |", "|---|---|---|---|---|---|---|"]
     out = {}
     for r in dict.fromkeys(rule(x) for x in labels if x.endswith(f" g={main_gamma}") and not x.startswith("sd ")):
         mine = [x for x in labels if rule(x) == r and x.endswith(f" g={main_gamma}")]
@@ -113,17 +114,46 @@ def frontier(summary: dict, labels: list[str], main_pad: str, main_gamma: int) -
         best_acc = max(wide, key=lambda x: summary[x]["accuracy"], default=None)
         close = [x for x in mine if summary[x]["accuracy"] >= ar_acc - 0.01 - 1e-12]
         best_speed = max(close, key=lambda x: summary[x]["speedup"] or 0, default=None)
+        best_eta = max(close, key=lambda x: summary[x]["eta"] or 0, default=None)
         out[r] = {"points": len(mine), "best_accuracy_at_pad_eta": best_acc and summary[best_acc]["accuracy"],
                   "best_accuracy_method": best_acc, "best_speedup_method": best_speed,
-                  "best_speedup_within_1pt": best_speed and summary[best_speed]["speedup"]}
+                  "best_speedup_within_1pt": best_speed and summary[best_speed]["speedup"],
+                  "best_eta_method": best_eta, "best_eta_within_1pt": best_eta and summary[best_eta]["eta"]}
         acc = ("none reaches it" if best_acc is None
                else f"{summary[best_acc]['accuracy']:.3f} ({best_acc.partition(' g=')[0]})")
         eta = "-" if best_acc is None else f"{summary[best_acc]['eta']:.3f}"
         speed = ("none" if best_speed is None
                  else f"{summary[best_speed]['speedup']:.2f}x ({best_speed.partition(' g=')[0]})")
         sacc = "-" if best_speed is None else f"{summary[best_speed]['accuracy']:.3f}"
-        lines.append(f"| {r} | {len(mine)} | {acc} | {eta} | {speed} | {sacc} |")
+        top_eta = ("none" if best_eta is None
+                   else f"{summary[best_eta]['eta']:.3f} ({best_eta.partition(' g=')[0]})")
+        lines.append(f"| {r} | {len(mine)} | {acc} | {eta} | {top_eta} | {speed} | {sacc} |")
     return "\n".join(lines), out
+
+
+def goal_check(summary: dict, front: dict, main_gamma: int) -> tuple[str, dict]:
+    """Issue 16's goal: PAD within 1 point of ar (McNemar, paired by problem) at an eta no training-free rule
+    reaches within 1 point of ar, and PAD >= 1.2x over SD at the main gamma in the same run."""
+    pad = front.get("pad", {}).get("best_eta_method")
+    sd = summary.get(f"sd g={main_gamma}")
+    if pad is None or sd is None:
+        return "goal: no PAD point within 1 point of ar", {"met": False, "pad_method": pad}
+    s = summary[pad]
+    rules = {r: f["best_eta_within_1pt"] for r, f in front.items() if r != "pad"}
+    beaten = all(e is None or s["eta"] > e + 1e-12 for e in rules.values())
+    over_sd = s["speedup"] / sd["speedup"]
+    p = s["paired"]["ar"]
+    result = {"pad_method": pad, "pad_accuracy": s["accuracy"], "ar_accuracy": summary["ar"]["accuracy"],
+              "mcnemar_p_vs_ar": p["p_mcnemar"], "pad_eta": s["eta"], "rules_best_eta_within_1pt": rules,
+              "eta_beyond_every_rule": beaten, "speedup_over_sd": over_sd,
+              "met": beaten and over_sd >= 1.2}
+    best_rule = max(rules, key=lambda r: rules[r] or 0)
+    text = (f"goal: {pad.partition(' g=')[0]} accuracy {s['accuracy']:.3f} vs ar {summary['ar']['accuracy']:.3f} "
+            f"(McNemar p {p['p_mcnemar']:.2g}) at eta {s['eta']:.3f}; best rule within 1 point: {best_rule} at eta "
+            f"{fmt(rules[best_rule], '.3f')} -> {'beyond' if beaten else 'NOT beyond'} every rule; "
+            f"{over_sd:.2f}x over SD ({'>=' if over_sd >= 1.2 else '<'} 1.2x); "
+            f"goal {'met' if result['met'] else 'NOT met'}")
+    return text, result
 
 
 def frontier_plot(summary: dict, labels: list[str], main_gamma: int, path: Path) -> None:
@@ -222,10 +252,11 @@ def main() -> None:
     summary = summarize(rows, references=("ar", *(f"sd g={g}" for g in gammas)))
     n = summary["ar"]["n"]
     front_table, front = frontier(summary, labels, main_pad, args.main_gamma)
+    goal_text, goal = goal_check(summary, front, args.main_gamma)
     frontier_plot(summary, labels, args.main_gamma, out / "frontier.png")
     cost_table, costs = step_costs(rows, [x for x in labels if x == "ar" or x.startswith(("sd ", "pad@"))])
     result = {"n_problems": n, "n_requested": args.n, "classifier": str(clf), "calibrated_pad": main_pad,
-              "methods": summary, "frontier": front, "step_costs": costs, "cpu": os.cpu_count(),
+              "methods": summary, "frontier": front, "goal": goal, "step_costs": costs, "cpu": os.cpu_count(),
               "command": "python benchmarks/pad_vs_sd.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                   if k not in ("summarize", "results", "pause_file"))}
@@ -234,6 +265,7 @@ def main() -> None:
     print(table(summary, labels))
     print()
     print(front_table)
+    print(goal_text)
     print()
     print(cost_table)
 
