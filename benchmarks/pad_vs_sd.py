@@ -156,13 +156,8 @@ def goal_check(summary: dict, front: dict, main_gamma: int) -> tuple[str, dict]:
     return text, result
 
 
-def frontier_plot(summary: dict, labels: list[str], main_gamma: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+def draw_frontier(axes, summary: dict, labels: list[str], main_gamma: int, title: str = "") -> None:
+    """Accuracy against speedup (axes[0]) and against eta (axes[1]), one curve per rule, ar's accuracy marked."""
     for r in dict.fromkeys(rule(x) for x in labels if x.endswith(f" g={main_gamma}")):
         pts = sorted((summary[x]["eta"], summary[x]["speedup"], summary[x]["accuracy"]) for x in labels
                      if rule(x) == r and x.endswith(f" g={main_gamma}"))
@@ -173,10 +168,22 @@ def frontier_plot(summary: dict, labels: list[str], main_gamma: int, path: Path)
         ax.axhline(summary["ar"]["accuracy"], color="k", ls="--", lw=1, label="ar accuracy")
         ax.axhline(summary["ar"]["accuracy"] - 0.01, color="grey", ls=":", lw=1, label="ar - 1 point")
         ax.grid(alpha=0.3)
+        if title:
+            ax.set_title(title, fontsize=10)
     axes[0].set_xlabel(f"speedup over ar (gamma {main_gamma})")
     axes[1].set_xlabel("eta (draft tokens kept / drafted)")
     axes[0].set_ylabel("accuracy")
     axes[1].legend(fontsize=8, loc="lower left")
+
+
+def frontier_plot(summary: dict, labels: list[str], main_gamma: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    draw_frontier(axes, summary, labels, main_gamma)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
