@@ -2,6 +2,8 @@
 
     python benchmarks/hf_parity.py --target testbed-target --draft testbed-draft-full --draft-dtype float32
     python benchmarks/hf_parity.py --target smollm2-135m-instruct --draft smollm2-135m-instruct --draft-dtype bfloat16
+    python benchmarks/hf_parity.py --target testbed-draft-full --draft testbed-draft-full --draft-dtype float32 \\
+        --out benchmarks/results/hf_parity-cheap-forwards.json  # a pair whose forwards are cheap
 
 ``testbed-draft-full`` is the testbed draft exported to the full vocabulary (transformers' assisted generation
 cannot use a reduced output layer): its rows for the ids it knows, the unknown-id row for the other input
@@ -89,6 +91,20 @@ def full_vocab_draft(reduced, out: Path) -> Path:
     return out
 
 
+def load_side(name: str, dtype: str, device: str):
+    """Load one model of the pair; ``testbed-draft-full`` is exported from the testbed draft on the fly.
+    Returns the model and, for that export, the reduced-vocabulary draft it came from (else None)."""
+    if name != "testbed-draft-full":
+        return load_lm(name, dtype, device=device), None
+    import tempfile
+
+    reduced = load_lm("testbed-draft", dtype, device=device)
+    export = full_vocab_draft(reduced, Path(tempfile.mkdtemp(prefix="pivotspec-draft-full-")))
+    lm = load_lm(str(export), dtype, device=device)
+    lm.name = name
+    return lm, reduced
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -104,17 +120,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hf_parity.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_lm(args.target, args.dtype, device=args.device)
-    reduced = None
-    if args.draft == "testbed-draft-full":
-        import tempfile
-
-        reduced = load_lm("testbed-draft", args.draft_dtype, device=args.device)
-        export = full_vocab_draft(reduced, Path(tempfile.mkdtemp(prefix="pivotspec-draft-full-")))
-        draft = load_lm(str(export), args.draft_dtype, device=args.device)
-        draft.name = "testbed-draft-full"
-    else:
-        draft = load_lm(args.draft, args.draft_dtype, device=args.device)
+    target, _ = load_side(args.target, args.dtype, args.device)
+    draft, reduced = load_side(args.draft, args.draft_dtype, args.device)
     check_same_tokenizer(target, draft)
     prompts = [encode_problem(target.tokenizer, p) for p in get_task("arith").problems("test", args.n, seed=0)]
 
