@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import pytest
 
 from pivotspec.cli import main
-from pivotspec.evaluation import summarize, wilson_ci
+from pivotspec.evaluation import method_specs, summarize, wilson_ci
 from pivotspec.store import read_records
 
 PROMPTS = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "regex": "w1"} for i in range(2, 7)]
@@ -92,6 +92,17 @@ def test_eval_resumes_and_refuses_other_configs(tiny_dir, data, tmp_path, capsys
     assert "different temperature" in err and len(err.strip().splitlines()) == 1
     assert main([*eval_args(tiny_dir, data, out), "--temperature", "0.5", "--overwrite"]) == 0
     assert len(read_records(out / "results.jsonl")) == len(full)
+
+
+def test_pad_labels_carry_a_non_default_tau_so_runs_at_two_taus_never_share_rows(tiny_dir, data, tmp_path, capsys):
+    labels = lambda **kw: [s.label for s in method_specs("sd,pad", sigmas=[0.1, 0.3], classifier="const:0.2", **kw)]  # noqa: E731
+    assert labels() == labels(tau=1e-4) == ["sd", "pad@0.1", "pad@0.3"]  # earlier runs keep their labels
+    assert labels(tau=0.01) == ["sd", "pad@0.1 tau=0.01", "pad@0.3 tau=0.01"]
+    out = tmp_path / "run"
+    assert main(eval_args(tiny_dir, data, out)) == 0
+    capsys.readouterr()
+    assert main([*eval_args(tiny_dir, data, out), "--tau", "0.01"]) == 2  # would otherwise resume tau 1e-4's rows
+    assert "different methods" in capsys.readouterr().err
 
 
 def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):

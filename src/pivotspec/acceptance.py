@@ -84,6 +84,10 @@ class Lossless:
         return torch.zeros_like(v.sd_ok)
 
 
+# The paper's floor on an override's target probability (method.md section 4).
+DEFAULT_TAU = 1e-4
+
+
 @dataclass
 class PAD:
     """Pivot-aware acceptance (method.md section 4): keep a token SD rejected when the classifier's pivot
@@ -96,7 +100,7 @@ class PAD:
 
     classifier: Classifier
     sigma: float
-    tau: float = 1e-4
+    tau: float = DEFAULT_TAU
     hidden_layer: int | None = None
     name: str = "pad"
 

@@ -75,7 +75,8 @@ def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> 
     g.add_argument("--sigma", type=float, default=None,
                    help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
                    "0.5 for const:)")
-    g.add_argument("--tau", type=float, default=1e-4, help="PAD: overrides need target prob >= tau")
+    g.add_argument("--tau", type=float, default=1e-4,
+                   help="PAD: overrides need target prob >= tau (eval labels a non-default tau: pad@0.1 tau=0.01)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
     add_chat_args(p)
 

@@ -164,15 +164,19 @@ def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] 
                  tau: float = 1e-4, pair: str | None = None) -> list[MethodSpec]:
     """ar/draft/sd as named; one pad per sigma (default: the classifier's calibrated one); one policy per
     baseline spec. With ``target=None`` only the arguments are checked (policies are None)."""
+    from pivotspec.acceptance import DEFAULT_TAU
     from pivotspec.baselines import label as baseline_label
     from pivotspec.baselines import make_baseline
     from pivotspec.policies import make_policy
 
+    # A non-default tau is part of the label, and so of the run's identity: resuming a run at another tau
+    # must not reuse its rows, and two taus must not share a row of the summary.
+    tau_tag = f" tau={tau:g}" if tau != DEFAULT_TAU else ""
     specs = []
     for m in [m.strip() for m in methods.split(",") if m.strip()]:
         for sig in (sigmas or [sigma]) if m == "pad" else [None]:
             policy = make_policy(m, target, classifier=classifier, sigma=sig, tau=tau, pair=pair)
-            label = f"pad@{policy.sigma:g}" if m == "pad" and policy is not None else m
+            label = f"pad@{policy.sigma:g}{tau_tag}" if m == "pad" and policy is not None else m
             specs.append(MethodSpec(label, m, policy))
     for spec in baselines:
         policy = make_baseline(spec)
