@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from html.parser import HTMLParser
 
 import pytest
@@ -104,6 +105,18 @@ def test_pad_labels_carry_a_non_default_tau_so_runs_at_two_taus_never_share_rows
     assert main([*eval_args(tiny_dir, data, out), "--tau", "0.01"]) == 2  # would otherwise resume tau 1e-4's rows
     assert "different methods" in capsys.readouterr().err
 
+
+def test_a_run_moved_to_another_dtype_does_not_resume_from_the_first_ones_rows(tiny_dir, data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*eval_args(tiny_dir, data, out), "--dtype", "float32"]) == 0
+    on_cpu = os.environ["PIVOTSPEC_DEVICE"] == "cpu"
+    assert ("placement" in json.loads((out / "run.json").read_text())) != on_cpu  # CPU float32: as before
+    capsys.readouterr()
+    assert main([*eval_args(tiny_dir, data, out), "--dtype", "bfloat16"]) == 2
+    assert "different placement" in capsys.readouterr().err
+    assert main([*eval_args(tiny_dir, data, tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    placement = json.loads((tmp_path / "bf16" / "run.json").read_text())["placement"]
+    assert [w.split()[1] for w in placement] == ["bfloat16", "bfloat16"]
 
 def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):
     """Benchmarks put several gammas in one interleaved run; each spec's gamma must reach the decoder."""

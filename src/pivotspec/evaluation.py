@@ -234,6 +234,14 @@ def classifier_fingerprint(clf: str | None, specs: list[MethodSpec]) -> str | No
     return f"{clf}#{digest.hexdigest()[:12]}"
 
 
+def placement(*lms: LM | None) -> list[str] | None:
+    """Device and dtype of each model ("cuda bfloat16"), or None when all are float32 on the CPU (what every
+    earlier run used): rows decoded elsewhere have other timings and may differ in the last bits, so a run
+    moved to another device or dtype must not resume from them."""
+    where = [f"{lm.device.type} {str(lm.model.dtype).removeprefix('torch.')}" for lm in lms if lm is not None]
+    return where if any(w != "cpu float32" for w in where) else None
+
+
 @dataclass
 class EvalSettings:
     """What an evaluation run decodes with and where it writes (the run's identity, with the methods)."""
@@ -272,7 +280,8 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
               "max_new_tokens": st.max_new_tokens, "target": target.name if target else None,
               "draft": draft.name if draft else None, "chat": st.chat}
     # Settings added later enter the identity only when used, so earlier runs still resume.
-    config.update({k: v for k, v in (("chat_template_kwargs", st.chat_template_kwargs), ("stop", st.stop)) if v})
+    config.update({k: v for k, v in (("chat_template_kwargs", st.chat_template_kwargs), ("stop", st.stop),
+                                     ("placement", placement(target, draft))) if v})
     start = time.perf_counter()
 
     def progress(i: int, total: int) -> None:
