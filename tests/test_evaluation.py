@@ -118,6 +118,7 @@ def test_a_run_moved_to_another_dtype_does_not_resume_from_the_first_ones_rows(t
     placement = json.loads((tmp_path / "bf16" / "run.json").read_text())["placement"]
     assert [w.split()[1] for w in placement] == ["bfloat16", "bfloat16"]
 
+
 def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):
     """Benchmarks put several gammas in one interleaved run; each spec's gamma must reach the decoder."""
     from pivotspec.acceptance import Lossless
