@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from pivotspec import api, features, metrics
-from pivotspec import classifier as clf
-from pivotspec.classifier_cli import add_filter_args
-from pivotspec.classifier_training import Filters, check_labels_target, fit_with_sweep, inputs
-from pivotspec.models import PAIRS
-from pivotspec.reports import fmt
+from pivotspec import api
+from pivotspec.classifier import features, metrics
+from pivotspec.classifier import model as clf
+from pivotspec.classifier.training import Filters, check_labels_target, fit_with_sweep, inputs
+from pivotspec.cli.classifier import add_filter_args
+from pivotspec.decoding.models import PAIRS
+from pivotspec.evaluation.reports import fmt
 from pivotspec.store import read_records
 
 

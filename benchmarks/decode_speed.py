@@ -18,38 +18,33 @@ from pathlib import Path
 
 import torch
 
-from pivotspec.decoding import decode
-from pivotspec.models import check_same_tokenizer, eos_ids, load_lm
-from pivotspec.tasks import encode_problem, get_task
+from pivotspec import api
 
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
-    target = load_lm(args.target, args.dtype, device=args.device)
-    draft = load_lm(args.draft, args.draft_dtype, device=args.device)
-    check_same_tokenizer(target, draft)
-    problems = get_task("arith").problems("test", args.n, seed=args.seed)
-    prompts = [encode_problem(target.tokenizer, p) for p in problems]
+    pair = api.load_pair(args.target, args.draft, dtype=args.dtype, draft_dtype=args.draft_dtype, device=args.device)
+    prompts = api.get_task("arith").problems("test", args.n, seed=args.seed)
     methods = ["ar"] + [f"sd-g{g}" for g in args.gammas]
     per_repeat = {m: [] for m in methods}  # list of per-repeat aggregates
     outputs: dict[str, list[list[int]]] = {m: [] for m in methods}
     for m in ("ar", "sd"):  # warm-up: first calls pay one-off allocation costs
-        decode(m, target, draft, prompts[0], max_new_tokens=8, eos_ids=eos_ids(target))
+        api.generate(pair, prompts[0].prompt, messages=prompts[0].messages or None, method=m, max_new_tokens=8)
     for r in range(args.repeats):
         agg = {m: {"wall": 0.0, "tokens": 0, "fwd": 0, "drafted": 0, "kept": 0, "overhead": 0.0, "fwd_s": 0.0}
                for m in methods}
         order = methods if r % 2 == 0 else methods[::-1]
-        for ids in prompts:
+        for p in prompts:
             for m in order:
                 gamma = int(m.split("-g")[1]) if m != "ar" else 1
-                g = decode("ar" if m == "ar" else "sd", target, draft, ids, gamma=gamma,
-                           max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(target))
+                g = api.generate(pair, p.prompt, messages=p.messages or None, method="ar" if m == "ar" else "sd",
+                                 gamma=gamma, max_new_tokens=args.max_new_tokens)
                 s, a = g.stats, agg[m]
                 a["wall"] += s["wall_s"]
                 a["tokens"] += s["new_tokens"]
                 a["fwd"] += s["target_forwards"]
                 a["drafted"] += s["drafted"]
-                a["kept"] += s["accepted"] + s["overridden"]
+                a["kept"] += s["accepted"] + s["override"]
                 a["overhead"] += s["overhead_s"]
                 a["fwd_s"] += s["forward_s"]
                 if r == 0:

@@ -28,9 +28,12 @@ from pathlib import Path
 
 import torch
 
-from pivotspec.decoding import decode
-from pivotspec.models import check_same_tokenizer, eos_ids, load_lm, synchronize
-from pivotspec.tasks import encode_problem, get_task
+from pivotspec import api
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def hf_assisted(target, draft, ids: list[int], gamma: int, max_new_tokens: int) -> tuple[list[int], float]:
@@ -39,7 +42,8 @@ def hf_assisted(target, draft, ids: list[int], gamma: int, max_new_tokens: int) 
     gen_cfg.assistant_confidence_threshold = 0.0
     start = time.perf_counter()
     out = target.model.generate(torch.tensor([ids], device=target.device), assistant_model=draft.model,
-                                do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos_ids(target)),
+                                do_sample=False, max_new_tokens=max_new_tokens,
+                                eos_token_id=sorted(api.stop_ids(target)),
                                 pad_token_id=target.tokenizer.pad_token_id or 0)
     wall = time.perf_counter() - start
     return out[0, len(ids):].tolist(), wall
@@ -95,12 +99,12 @@ def load_side(name: str, dtype: str, device: str):
     """Load one model of the pair; ``testbed-draft-full`` is exported from the testbed draft on the fly.
     Returns the model and, for that export, the reduced-vocabulary draft it came from (else None)."""
     if name != "testbed-draft-full":
-        return load_lm(name, dtype, device=device), None
+        return api.load_model(name, dtype, device=device), None
     import tempfile
 
-    reduced = load_lm("testbed-draft", dtype, device=device)
+    reduced = api.load_model("testbed-draft", dtype, device=device)
     export = full_vocab_draft(reduced, Path(tempfile.mkdtemp(prefix="pivotspec-draft-full-")))
-    lm = load_lm(str(export), dtype, device=device)
+    lm = api.load_model(str(export), dtype, device=device)
     lm.name = name
     return lm, reduced
 
@@ -122,20 +126,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, _ = load_side(args.target, args.dtype, args.device)
     draft, reduced = load_side(args.draft, args.draft_dtype, args.device)
-    check_same_tokenizer(target, draft)
-    prompts = [encode_problem(target.tokenizer, p) for p in get_task("arith").problems("test", args.n, seed=0)]
+    pair = api.make_pair(target, draft)
+    prompts = [api.encode(target, p.prompt, p.messages or None) for p in api.get_task("arith").problems("test", args.n)]
 
     def pivotspec_sd(ids: list[int]) -> tuple[list[int], float]:
-        g = decode("sd", target, draft, ids, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                   eos_ids=eos_ids(target))
+        g = api.generate(pair, prompt_ids=ids, method="sd", gamma=args.gamma, max_new_tokens=args.max_new_tokens)
         return g.token_ids, g.stats["wall_s"]
 
     runners = {"pivotspec sd": pivotspec_sd,
                "transformers assisted": lambda ids: hf_assisted(target, draft, ids, args.gamma, args.max_new_tokens)}
     if reduced is not None:  # what transformers cannot run: the same draft with its own small output layer
         def reduced_sd(ids: list[int]) -> tuple[list[int], float]:
-            g = decode("sd", target, reduced, ids, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                       eos_ids=eos_ids(target))
+            g = api.generate(api.make_pair(target, reduced), prompt_ids=ids, method="sd", gamma=args.gamma,
+                             max_new_tokens=args.max_new_tokens)
             return g.token_ids, g.stats["wall_s"]
 
         runners["pivotspec sd, reduced-vocab draft (not in transformers)"] = reduced_sd

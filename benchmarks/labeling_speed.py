@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from pivotspec.decoding import decode
-from pivotspec.labeling import seeded_generator
-from pivotspec.models import eos_ids, load_lm
-from pivotspec.rollouts import batched_rollouts
-from pivotspec.sampling import SamplingConfig
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.models import eos_ids, load_lm
+from pivotspec.decoding.sampling import SamplingConfig
+from pivotspec.labels.rollouts import batched_rollouts
+from pivotspec.labels.walk import seeded_generator
 from pivotspec.tasks import encode_problem, get_task
 
 

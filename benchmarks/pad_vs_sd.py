@@ -29,15 +29,9 @@ import time
 from pathlib import Path
 
 from pivotspec import api
-from pivotspec.acceptance import Lossless
-from pivotspec.baselines import label as baseline_label
-from pivotspec.baselines import make_baseline
-from pivotspec.evaluation import EvalSettings, MethodSpec, evaluate, summarize
-from pivotspec.models import PAIRS
-from pivotspec.policies import make_policy
-from pivotspec.reports import fmt, paired_cell
-from pivotspec.store import read_records
-from pivotspec.tasks import get_task
+from pivotspec.api import MethodSpec
+from pivotspec.api import format_cell as fmt
+from pivotspec.api import format_paired as paired_cell
 
 # The main knob of each rule, from nearly SD (strict) to loose. typical keeps Medusa's delta = sqrt(epsilon).
 SWEEPS = {
@@ -50,28 +44,26 @@ SWEEPS = {
 RULE_OF = {"pad": "pad", **{name: name for name in SWEEPS}}
 
 
-def method_specs(target, gammas: list[int], main_gamma: int, sigmas: list[float],
-                 pair: str = "testbed") -> tuple[list[MethodSpec], str]:
-    calibrated = make_policy("pad", target, pair=pair)
+def method_specs(pair: api.Pair, gammas: list[int], main_gamma: int,
+                 sigmas: list[float]) -> tuple[list[MethodSpec], str]:
+    calibrated = api.make_policy(pair, "pad")
     main_pad = f"pad@{calibrated.sigma:.4g} g={main_gamma}"
     specs = [MethodSpec("ar", "ar"), MethodSpec("draft", "draft")]
     for g in gammas:
-        specs += [MethodSpec(f"sd g={g}", "sd", Lossless(), g),
+        specs += [MethodSpec(f"sd g={g}", "sd", api.make_policy(pair, "sd"), g),
                   MethodSpec(f"pad@{calibrated.sigma:.4g} g={g}", "pad", calibrated, g)]
     for sigma in sigmas:
         if abs(sigma - calibrated.sigma) > 1e-9:
             specs.append(MethodSpec(f"pad@{sigma:g} g={main_gamma}", "pad",
-                                    make_policy("pad", target, sigma=sigma, pair=pair), main_gamma))
-    for rule_specs in SWEEPS.values():
-        for spec in rule_specs:
-            policy = make_baseline(spec)
-            specs.append(MethodSpec(f"{baseline_label(policy)} g={main_gamma}", "pad", policy, main_gamma))
+                                    api.make_policy(pair, "pad", sigma=sigma), main_gamma))
+    rules = api.method_specs(pair, "", baselines=[spec for rule_specs in SWEEPS.values() for spec in rule_specs])
+    specs += [MethodSpec(f"{rule.label} g={main_gamma}", "pad", rule.policy, main_gamma) for rule in rules]
     return specs, main_pad
 
 
 def complete_rows(results: Path, labels: list[str]) -> list[dict]:
     """Rows of the problems every method has finished (a stopped run leaves its last problem partial)."""
-    rows = read_records(results, repair=False)  # never cut the line a running benchmark is writing
+    rows = api.read_results(results)  # never cuts the line a running benchmark is writing
     have: dict[str, set[str]] = {}
     for r in rows:
         have.setdefault(r["problem_id"], set()).add(r["method"])
@@ -215,7 +207,7 @@ def step_costs(rows: list[dict], labels: list[str]) -> tuple[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="testbed", choices=sorted(p for p, r in PAIRS.items() if r.task),
+    ap.add_argument("--pair", default="testbed", choices=[p for p in api.pair_names() if api.pair_task(p)],
                     help="embedded pair (default testbed); its task and shipped classifier are used")
     ap.add_argument("--n", type=int, default=200, help="test problems (default 200)")
     ap.add_argument("--gammas", default="5", help="gammas for sd and pad at the calibrated sigma (default 5)")
@@ -227,20 +219,16 @@ def main() -> None:
                     help="while this file exists the run waits between problems (untimed)")
     ap.add_argument("--summarize", action="store_true", help="only summarise the rows already written")
     args = ap.parse_args()
-    registered = PAIRS[args.pair]
-    clf = registered.classifier() if registered.classifier else None
+    clf = api.default_classifier(args.pair)
     if clf is None:
         raise SystemExit(f"pad_vs_sd: {args.pair} ships no pivot classifier yet; train one first (see README)")
     name = "pad_vs_sd" if args.pair == "testbed" else f"pad_vs_sd-{args.pair}"
     out = args.results / name
-    settings = EvalSettings(task=registered.task, n=args.n, classifier=str(clf), out=out)
+    settings = api.EvalSettings(task=api.pair_task(args.pair), n=args.n, classifier=clf, out=out)
     pair = api.load_pair(pair=args.pair, threads=args.threads)
-    target, draft = pair.target, pair.draft
     gammas = [int(g) for g in args.gammas.split(",")]
-    specs, main_pad = method_specs(target, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")],
-                                   args.pair)
+    specs, main_pad = method_specs(pair, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")])
     labels = [s.label for s in specs]
-    task = get_task(registered.task)
 
     paused = args.pause_file.with_suffix(".paused")
 
@@ -252,11 +240,11 @@ def main() -> None:
             paused.unlink(missing_ok=True)
 
     if not args.summarize:
-        evaluate(settings, task, task.problems("test", args.n, 0), specs, target, draft, between=wait_while_paused)
+        api.evaluate(pair, settings, specs=specs, between=wait_while_paused)
     rows = complete_rows(out / "results.jsonl", labels)
     if not rows:
         raise SystemExit(f"pad_vs_sd: no problem in {out} has rows for every method yet")
-    summary = summarize(rows, references=("ar", *(f"sd g={g}" for g in gammas)))
+    summary = api.summarize(rows, references=("ar", *(f"sd g={g}" for g in gammas)))
     n = summary["ar"]["n"]
     front_table, front = frontier(summary, labels, main_pad, args.main_gamma)
     goal_text, goal = goal_check(summary, front, args.main_gamma)

@@ -67,7 +67,6 @@ def main() -> None:
 
     from pivotspec import api
     from pivotspec.server import Settings, create_app
-    from pivotspec.tasks import get_task
 
     pair = api.load_pair(pair="testbed", threads=args.threads)
     settings = Settings(model="testbed", method=args.method, max_queue=args.requests)
@@ -79,7 +78,7 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
-    problems = get_task("arith").problems("test", args.requests, seed=1)
+    problems = api.get_task("arith").problems("test", args.requests, seed=1)
     bodies = [{"model": "testbed", "messages": p.messages, "max_tokens": args.max_tokens, "stream": True,
                "stream_options": {"include_usage": True}} for p in problems]
     one_request(url, bodies[0])  # warm-up, before the counters are read

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pivotspec.store import read_records
+from pivotspec import api
 
 SYMBOLS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "plus": "add", "minus": "sub", "times": "mul",
            "divided by": "div"}
@@ -106,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     name = "pad_vs_sd" if args.pair == "testbed" else f"pad_vs_sd-{args.pair}"
     path = args.results / name / "results.jsonl"
-    rows = read_records(path)
+    rows = api.read_results(path)
     if not rows:
         raise SystemExit(f"no rows in {path}: run `python benchmarks/pad_vs_sd.py --pair {args.pair}` first")
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from pivotspec.decoding import decode
-from pivotspec.evaluation import wilson_ci
-from pivotspec.models import check_same_tokenizer, eos_ids, load_lm
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.models import check_same_tokenizer, eos_ids, load_lm
+from pivotspec.evaluation.summary import wilson_ci
 from pivotspec.tasks import encode_problem, get_task
 from pivotspec.testbed.train_target import batched_greedy
 

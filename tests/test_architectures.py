@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivotspec.acceptance import PAD, constant_classifier
-from pivotspec.decoding import decode
+from pivotspec.decoding.acceptance import PAD, constant_classifier
+from pivotspec.decoding.loop import decode
 from tests.conftest import make_tokenizer
 
 WINDOW = 8  # sliding window smaller than the test's sequences
@@ -44,7 +44,7 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 def arch_pair(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from pivotspec.models import load_lm
+    from pivotspec.decoding.models import load_lm
 
     root = tmp_path_factory.mktemp(request.param)
     tok = make_tokenizer()
@@ -60,7 +60,7 @@ def arch_pair(request, tmp_path_factory):
 
 def test_sd_and_pad_sigma0_equal_target_only(arch_pair):
     _, target, draft = arch_pair
-    pad = PAD(constant_classifier(0.0), sigma=0.0, tau=0.0)
+    pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     for prompt in ([3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]):  # the second starts past the window
         ar = decode("ar", target, None, prompt, max_new_tokens=24, eos_ids=set())
         for method, policy in (("sd", None), ("pad", pad)):

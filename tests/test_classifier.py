@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from pivotspec import classifier as clf
-from pivotspec import features, metrics
-from pivotspec.acceptance import PAD
-from pivotspec.classifier import load_for_target
-from pivotspec.classifier_training import train_from_labels
+from pivotspec.classifier import features, metrics
+from pivotspec.classifier import model as clf
+from pivotspec.classifier.model import load_for_target
+from pivotspec.classifier.training import train_from_labels
 from pivotspec.cli import main
-from pivotspec.decoding import decode
+from pivotspec.decoding.acceptance import PAD
+from pivotspec.decoding.loop import decode
 from pivotspec.errors import UsageError
 
 
@@ -77,7 +79,7 @@ def fake_labels(path, n_problems=15, seed=0):
 
 def trained_classifier(tiny_dir, tmp_path):
     """A classifier directory for the tiny llama target, trained on ``fake_labels``."""
-    from pivotspec.models import load_lm
+    from pivotspec.decoding.models import load_lm
 
     labels = fake_labels(tmp_path / "labels.jsonl")
     train_from_labels(labels, load_lm(str(tiny_dir["llama_target"])), tmp_path / "clf", "extended_v2", layer=2,
@@ -85,11 +87,13 @@ def trained_classifier(tiny_dir, tmp_path):
     return tmp_path / "clf"
 
 
-@pytest.fixture
-def trained(tiny_dir, load, tmp_path):
-    out = trained_classifier(tiny_dir, tmp_path)
+@pytest.fixture(scope="module")
+def trained(tiny_dir, load, tmp_path_factory):
+    """Trained once for the module: the tests read the directory and never change it."""
+    root = tmp_path_factory.mktemp("trained")
+    out = trained_classifier(tiny_dir, root)
     config = json.loads((out / "classifier.json").read_text())
-    return load(tiny_dir["llama_target"]), tmp_path / "labels.jsonl", out, config
+    return load(tiny_dir["llama_target"]), root / "labels.jsonl", out, config
 
 
 def test_save_load_round_trip_and_plots(trained):
@@ -105,8 +109,8 @@ def test_save_load_round_trip_and_plots(trained):
     assert (out / "roc.png").stat().st_size > 0 and (out / "pr.png").stat().st_size > 0
 
 
-def test_incompatible_target_is_a_one_line_error(trained, tiny_dir, load, capsys):
-    _, labels, out, _ = trained
+def test_incompatible_target_is_a_one_line_error(trained, tiny_dir, load, capsys, tmp_path):
+    out = Path(shutil.copytree(trained[2], tmp_path / "clf"))  # a copy: the module's classifier stays as trained
     qwen = load(tiny_dir["qwen3_target"])  # same width and depth, other model
     with pytest.raises(UsageError, match="trained for target"):
         load_for_target(out, qwen)
@@ -161,7 +165,7 @@ def test_decode_time_features_equal_training_features(tiny_dir, load, tmp_path, 
         return h, s
 
     monkeypatch.setattr(clf, "model_inputs", recording)
-    policy = PAD(clf.as_policy_classifier(net), sigma=0.5, tau=0.0, hidden_layer=-2)
+    policy = PAD(clf.as_policy_classifier(net), sigma=0.5, p_floor=0.0, hidden_layer=-2)
     for prompt in ([3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24, 25, 26]):
         decode("pad", target, draft, prompt, policy, gamma=4, max_new_tokens=12, eos_ids=set())
     monkeypatch.setattr(clf, "model_inputs", real_model_inputs)
@@ -205,7 +209,7 @@ def test_model_inputs_read_d_at_its_own_row_and_p_at_the_predicting_row():
 def test_labels_stats_measures_how_well_p_d_alone_separates_pivots(trained, tiny_dir, tmp_path, capsys):
     """Parity labels: p(d) knows nothing of them (AUROC near 0.5), and the classifier is scored on the very
     report split its training reported on; labels made from p(d) itself: the p(d) reference separates them."""
-    from pivotspec.classifier_training import probability_properties
+    from pivotspec.classifier.training import probability_properties
 
     target, labels, clf_dir, config = trained
     parity = probability_properties(labels, target, clf_dir)

@@ -13,7 +13,9 @@ import pytest
 
 from pivotspec import store
 from pivotspec.cli import main
-from pivotspec.cluster import count_done, shard_path
+from pivotspec.labels.cluster import count_done, shard_path
+
+pytestmark = pytest.mark.slow  # starts Ray clusters
 
 if not os.environ.get("PIVOTSPEC_REQUIRE_RAY"):  # CI requires Ray: a missing one fails at import there
     pytest.importorskip("ray")

@@ -38,6 +38,7 @@ def test_gsm8k_fixture(tmp_path):
     assert task.score(probs[0], "") == 0.0 and task.score(probs[0], None) == 0.0
 
 
+@pytest.mark.slow  # ten sandboxed runs of generated code (~10 s)
 def test_mbpp_fixture_runs_tests_in_the_sandbox(tmp_path):
     task = get_task("mbpp", str(write(tmp_path / "m.jsonl", MBPP)))
     probs = task.problems("test", 5)

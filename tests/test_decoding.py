@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from pivotspec.acceptance import PAD, constant_classifier
-from pivotspec.decoding import decode, generate
+from pivotspec.decoding.acceptance import PAD, constant_classifier
+from pivotspec.decoding.loop import decode, generate
 
 ARCHS = ["llama", "qwen3"]
 
@@ -27,7 +27,7 @@ def pair(request, tiny_dir, load):
 def test_greedy_sd_and_pad_sigma0_equal_target_only(pair, gamma):
     target, draft = pair
     # sigma = 0 with a classifier that calls nothing a pivot: any override would show up as a difference.
-    pad = PAD(constant_classifier(0.0), sigma=0.0, tau=0.0)
+    pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     for i, ids in enumerate(prompts(12)):
         max_new = 7 + 3 * i  # budgets that end inside a draft block for most gammas
         ar = decode("ar", target, None, ids, max_new_tokens=max_new, eos_ids=set())
@@ -36,7 +36,7 @@ def test_greedy_sd_and_pad_sigma0_equal_target_only(pair, gamma):
         assert sd.token_ids == ar.token_ids
         assert pd.token_ids == ar.token_ids
         assert len(ar.token_ids) == max_new
-        assert sd.stats["overridden"] == pd.stats["overridden"] == 0
+        assert sd.stats["override"] == pd.stats["override"] == 0
 
 
 def test_eos_inside_a_draft_stops_like_target_only(pair):
@@ -69,11 +69,11 @@ def test_pad_sigma1_tau0_keeps_every_draft_token(pair):
     """sigma = 1, tau = 0 accepts every draft token, so each emitted token is the draft's greedy choice
     except the bonus token closing each block, which by definition comes from the target."""
     target, draft = pair
-    pad = PAD(constant_classifier(0.9), sigma=1.0, tau=0.0)
+    pad = PAD(constant_classifier(0.9), sigma=1.0, p_floor=0.0)
     for ids in prompts(6, seed=3):
         pd = decode("pad", target, draft, ids, pad, gamma=4, max_new_tokens=15, eos_ids=set())
         assert pd.stats["corrected"] == 0 and pd.stats["drafted"] == 12
-        assert pd.stats["accepted"] + pd.stats["overridden"] == 12 and pd.stats["bonus"] == 3
+        assert pd.stats["accepted"] + pd.stats["override"] == 12 and pd.stats["bonus"] == 3
         draft.reset()
         logits, _ = draft.forward(ids + pd.token_ids, keep_logits=len(pd.token_ids) + 1)
         draft_choice = logits.argmax(-1)[:-1].tolist()
@@ -88,20 +88,20 @@ def test_pad_sigma1_tau0_keeps_every_draft_token(pair):
 
 def test_stats_add_up(pair):
     target, draft = pair
-    pad = PAD(constant_classifier(0.4), sigma=0.5, tau=0.0)
+    pad = PAD(constant_classifier(0.4), sigma=0.5, p_floor=0.0)
     for method, policy in [("ar", None), ("sd", None), ("pad", pad)]:
         for ids in prompts(4, seed=4):
             g = decode(method, target, draft, ids, policy, gamma=3, max_new_tokens=17, eos_ids=set())
             s = g.stats
-            emitted = s["accepted"] + s["overridden"] + s["corrected"] + s["bonus"] + s["target"]
+            emitted = s["accepted"] + s["override"] + s["corrected"] + s["bonus"] + s["target"]
             assert emitted == s["new_tokens"] == len(g.token_ids) == len(g.trace)
-            assert [src for _, src in g.trace].count("override") == s["overridden"]
+            assert [src for _, src in g.trace].count("override") == s["override"]
             assert s["tau"] == pytest.approx(s["new_tokens"] / s["target_forwards"])
             if method != "ar":
-                assert s["eta"] == pytest.approx((s["accepted"] + s["overridden"]) / s["drafted"])
+                assert s["eta"] == pytest.approx((s["accepted"] + s["override"]) / s["drafted"])
                 assert s["corrected"] + s["bonus"] == s["target_forwards"]
             if method == "pad":
-                assert s["overridden"] > 0
+                assert s["override"] > 0
 
 
 @pytest.mark.parametrize("gamma", [2, 5])
@@ -165,7 +165,7 @@ def test_reduced_vocab_draft_drafts_without_full_vocab_logits(tiny_dir, load, tm
     greedy SD with it must still equal target-only decoding."""
     from transformers import AutoModelForCausalLM
 
-    from pivotspec.models import reduced_vocab_lm
+    from pivotspec.decoding.models import reduced_vocab_lm
     from tests.conftest import make_tiny_model
 
     target = load(tiny_dir["llama_target"])

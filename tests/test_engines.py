@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pivotspec import store
+from pivotspec.decoding.sampling import SamplingConfig
 from pivotspec.errors import UsageError
-from pivotspec.labeling import LabelConfig
-from pivotspec.rollouts import VllmEngine, group_requests
-from pivotspec.sampling import SamplingConfig
+from pivotspec.labels.rollouts import VllmEngine, group_requests
+from pivotspec.labels.walk import LabelConfig
 
 FAKE_VLLM = '''
 """A stand-in for vllm's offline API: continuation j of a request is [base + j, base + j + 1, ...] with
@@ -123,7 +123,7 @@ def agreement(a: list[dict], b: list[dict], side: str, n: int) -> tuple[float, f
 def vllm_installed() -> bool:
     import subprocess
 
-    from pivotspec.rollouts import vllm_python
+    from pivotspec.labels.rollouts import vllm_python
 
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     return subprocess.run([vllm_python(), "-c", probe], capture_output=True).returncode == 0
@@ -133,6 +133,7 @@ needs_vllm = pytest.mark.skipif(not os.environ.get("PIVOTSPEC_REQUIRE_VLLM") and
                                 reason="no vLLM environment (./install.sh --with-vllm, PIVOTSPEC_VLLM_PYTHON)")
 
 
+@pytest.mark.slow  # starts vLLM and loads the testbed pair
 @needs_vllm
 def test_torch_and_vllm_labels_agree_within_binomial_noise(tmp_path, monkeypatch, capsys):
     """The same candidates (the walk follows the target, so it does not depend on labels) labeled by both
@@ -172,7 +173,7 @@ def test_torch_and_vllm_labels_agree_within_binomial_noise(tmp_path, monkeypatch
 
 
 def test_vllm_needs_a_target_directory(tiny_dir, load):
-    from pivotspec.rollouts import make_engine
+    from pivotspec.labels.rollouts import make_engine
 
     lm = load(tiny_dir["llama_draft"])
     lm_copy = type(lm)(**{**lm.__dict__, "source": None})

@@ -9,7 +9,8 @@ from html.parser import HTMLParser
 import pytest
 
 from pivotspec.cli import main
-from pivotspec.evaluation import method_specs, summarize, wilson_ci
+from pivotspec.evaluation.runs import method_specs
+from pivotspec.evaluation.summary import summarize, wilson_ci
 from pivotspec.store import read_records
 
 PROMPTS = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "regex": "w1"} for i in range(2, 7)]
@@ -97,8 +98,8 @@ def test_eval_resumes_and_refuses_other_configs(tiny_dir, data, tmp_path, capsys
 
 def test_pad_labels_carry_a_non_default_tau_so_runs_at_two_taus_never_share_rows(tiny_dir, data, tmp_path, capsys):
     labels = lambda **kw: [s.label for s in method_specs("sd,pad", sigmas=[0.1, 0.3], classifier="const:0.2", **kw)]  # noqa: E731
-    assert labels() == labels(tau=1e-4) == ["sd", "pad@0.1", "pad@0.3"]  # earlier runs keep their labels
-    assert labels(tau=0.01) == ["sd", "pad@0.1 tau=0.01", "pad@0.3 tau=0.01"]
+    assert labels() == labels(p_floor=1e-4) == ["sd", "pad@0.1", "pad@0.3"]  # earlier runs keep their labels
+    assert labels(p_floor=0.01) == ["sd", "pad@0.1 tau=0.01", "pad@0.3 tau=0.01"]
     out = tmp_path / "run"
     assert main(eval_args(tiny_dir, data, out)) == 0
     capsys.readouterr()
@@ -121,8 +122,8 @@ def test_a_run_moved_to_another_dtype_does_not_resume_from_the_first_ones_rows(t
 
 def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):
     """Benchmarks put several gammas in one interleaved run; each spec's gamma must reach the decoder."""
-    from pivotspec.acceptance import Lossless
-    from pivotspec.evaluation import MethodSpec, run_eval
+    from pivotspec.decoding.acceptance import Lossless
+    from pivotspec.evaluation.runs import MethodSpec, run_eval
     from pivotspec.tasks import get_task
 
     target = load(tiny_dir["llama_target"])
@@ -138,8 +139,8 @@ def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):
 
 
 def test_resuming_refuses_a_retrained_classifier(tmp_path):
-    from pivotspec.acceptance import PAD, constant_classifier
-    from pivotspec.evaluation import MethodSpec, classifier_fingerprint
+    from pivotspec.decoding.acceptance import PAD, constant_classifier
+    from pivotspec.evaluation.runs import MethodSpec, classifier_fingerprint
 
     clf = tmp_path / "clf"
     clf.mkdir()

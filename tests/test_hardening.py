@@ -97,7 +97,7 @@ def test_damaged_classifier_directory(tiny_dir, tmp_path, capsys, damage):
 
 
 def test_gguf_conversions_are_keyed_by_content(tmp_path, monkeypatch):
-    from pivotspec import models
+    from pivotspec.decoding import models
 
     made = []
     monkeypatch.setattr(models, "convert_gguf", lambda path, out: made.append(out) or out)
@@ -108,8 +108,9 @@ def test_gguf_conversions_are_keyed_by_content(tmp_path, monkeypatch):
     assert len(set(made)) == 2  # same file name, different content: two conversions, never the old one
 
 
+@pytest.mark.slow  # loads SmolLM2
 def test_truncated_gguf_is_a_one_line_error(smollm2, tmp_path, capsys):
-    from pivotspec.models import _smollm2_gguf
+    from pivotspec.decoding.models import _smollm2_gguf
 
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(_smollm2_gguf().read_bytes()[: 1 << 20])  # the header and the start of the tensors
@@ -119,7 +120,7 @@ def test_truncated_gguf_is_a_one_line_error(smollm2, tmp_path, capsys):
 def test_weights_fingerprint_tells_retrained_weights_apart_but_not_dtypes(tiny_dir, tmp_path):
     import torch
 
-    from pivotspec.models import load_lm
+    from pivotspec.decoding.models import load_lm
 
     path = str(tiny_dir["llama_target"])
     f32, bf16 = load_lm(path), load_lm(path, dtype="bfloat16")
@@ -132,10 +133,10 @@ def test_weights_fingerprint_tells_retrained_weights_apart_but_not_dtypes(tiny_d
 
 
 def test_labels_and_classifiers_of_other_weights_of_the_same_target_are_refused(tiny_dir, tmp_path, capsys):
-    from pivotspec.classifier_training import check_labels_target
+    from pivotspec.classifier.training import check_labels_target
+    from pivotspec.decoding.models import load_lm
     from pivotspec.errors import UsageError
-    from pivotspec.labeling import model_identity
-    from pivotspec.models import load_lm
+    from pivotspec.labels.walk import model_identity
     from tests.test_classifier import trained_classifier
 
     target = load_lm(str(tiny_dir["llama_target"]))

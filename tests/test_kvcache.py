@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pivotspec.kvcache import GrowingLayer, growing_cache
+from pivotspec.decoding.kvcache import GrowingLayer, growing_cache
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

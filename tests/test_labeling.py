@@ -8,11 +8,12 @@ import random
 import pytest
 import torch
 
-from pivotspec import store
+from pivotspec import api, store
 from pivotspec.cli import main
 from pivotspec.errors import UsageError
-from pivotspec.label_files import label_stats
-from pivotspec.labeling import LabelConfig, is_pivot, run_labeling
+from pivotspec.labels import walk
+from pivotspec.labels.files import label_stats
+from pivotspec.labels.walk import LabelConfig, is_pivot, run_labeling
 from pivotspec.tasks import Problem
 
 
@@ -100,10 +101,10 @@ def test_interrupted_run_resumes_to_the_same_records(pair, tmp_path, monkeypatch
         real_append(fh, rec)
 
     out = tmp_path / "resumed.jsonl"
-    monkeypatch.setattr(store, "append_record", dying_append)
+    monkeypatch.setattr(walk, "append_record", dying_append)  # where the labeler writes each record
     with pytest.raises(KeyboardInterrupt):
         run_labeling(*pair, task, task.problems("train", 4), cfg, out, progress=False)
-    monkeypatch.setattr(store, "append_record", real_append)
+    monkeypatch.setattr(walk, "append_record", real_append)
     assert len(store.read_records(out)) == 3
     # Kill mid-write too: a partial last line must be dropped, not kept or duplicated.
     with out.open("a") as fh:
@@ -122,7 +123,7 @@ def without_timing(records: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("screen", [-1.0, 0.0])
 def test_walks_side_by_side_label_like_one_at_a_time(pair, tmp_path, monkeypatch, screen):
-    from pivotspec import rollouts
+    from pivotspec.labels import rollouts
 
     task = toy(pair, n=6)  # prompts of 2 to 6 words: the batched prefixes differ in length
     cfg = LabelConfig(**{**CFG, "temperature": 1.0, "max_rollout_tokens": 8, "max_walk_tokens": 10,
@@ -142,7 +143,7 @@ def test_walks_side_by_side_label_like_one_at_a_time(pair, tmp_path, monkeypatch
     assert sum(r["type"] == "candidate" for r in one) >= 3
     assert without_timing(four) == without_timing(one)
     with pytest.raises(UsageError, match="--concurrency"):
-        run_labeling(*pair, task, task.problems("train", 1), cfg, tmp_path / "x.jsonl", concurrency=0)
+        api.check_label(concurrency=0)
 
 
 def test_resume_refuses_a_different_configuration(pair, tmp_path):
@@ -152,9 +153,10 @@ def test_resume_refuses_a_different_configuration(pair, tmp_path):
     with pytest.raises(UsageError, match="different config"):
         run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**{**CFG, "alpha": 0.9}), out,
                      progress=False)
-    recs = run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**{**CFG, "alpha": 0.9}), out,
-                        overwrite=True, progress=False)
-    assert all(r["config"]["alpha"] == 0.9 for r in recs)
+    cfg = LabelConfig(**{**CFG, "alpha": 0.9})
+    recs = run_labeling(*pair, task, task.problems("train", 1), cfg, out, overwrite=True, progress=False)
+    fresh = run_labeling(*pair, task, task.problems("train", 1), cfg, tmp_path / "fresh.jsonl", progress=False)
+    assert without_timing(recs) == without_timing(fresh)  # nothing of the first run is left in the file
 
 
 def test_truncated_file_repair_and_malformed_middle_line(tmp_path):
@@ -210,7 +212,7 @@ def test_label_cli_errors_and_stats(tiny_dir, tmp_path, capsys):
 
 
 def test_judge_only_flips_non_pivots_to_pivots(pair, tmp_path, monkeypatch):
-    from pivotspec import labeling
+    from pivotspec.labels import walk as labeling
 
     target, draft = pair
     prompt, t, d = first_disagreement(target, draft)
@@ -248,18 +250,17 @@ def test_judge_reads_rollouts_with_the_targets_tokenizer(pair, monkeypatch):
     """Rollouts are target token ids: a judge with another tokenizer must see the target's text."""
     from types import SimpleNamespace
 
-    from pivotspec import labeling, tasks
-
     target, _ = pair
     asked = []
-    monkeypatch.setattr(tasks, "encode_prompt", lambda tok, text, chat=True: asked.append(text) or [3, 4])
+    monkeypatch.setattr(walk, "encode_prompt", lambda tok, text, chat=True: asked.append(text) or [3, 4])
+
     def judge_tokenizer(text, add_special_tokens=False):
         return SimpleNamespace(input_ids=[5])
 
     judge_tokenizer.decode = lambda ids, **kw: "JUDGE-TOKENIZER"  # what decoding with the wrong tokenizer gives
     judge = SimpleNamespace(tokenizer=judge_tokenizer, reset=lambda: None,
                             forward=lambda ids, keep_logits=1: (torch.zeros(1, 32), None))
-    flip = labeling.make_judge(judge, None, target.tokenizer)
+    flip = walk.make_judge(judge, None, target.tokenizer)
     problem = Problem(id="p", prompt="q", answer=None)
     flip(problem, [5, 6], [[7, 8]], [1.0])
     assert target.tokenizer.decode([5, 6, 7, 8]) in asked[0] and "JUDGE-TOKENIZER" not in asked[0]
@@ -287,11 +288,12 @@ def test_second_writer_is_refused(pair, tmp_path):
         lock_for_append(fh, out)  # as if another labeler were running
         with pytest.raises(UsageError, match="another pivotspec process is writing"):
             run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
-    assert run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
+    records = run_labeling(*pair, task, task.problems("train", 1), LabelConfig(**CFG), out, progress=False)
+    assert records == store.read_records(out) and records[-1]["type"] == "problem"  # once free, it labels
 
 
 def test_progress_eta_ignores_resumed_problems(capsys):
-    from pivotspec.labeling import Progress
+    from pivotspec.labels.walk import Progress
 
     bar = Progress(10)
     bar.clock = lambda: bar.start + 60.0  # one minute has passed

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivotspec.rollouts import RolloutRequest, TorchEngine, batched_rollouts, can_pad, padded_rollouts
-from pivotspec.sampling import SamplingConfig
+from pivotspec.decoding.sampling import SamplingConfig
+from pivotspec.labels.rollouts import RolloutRequest, TorchEngine, batched_rollouts, can_pad, padded_rollouts
 from tests.test_architectures import config_for
 
 PREFIXES = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 3], [5, 6, 7, 20, 21, 22]]  # different lengths: real padding
@@ -54,7 +54,7 @@ def test_a_walks_cache_is_read_not_changed(tiny_dir, load):
 def test_sliding_window_models_roll_out_one_prefix_at_a_time(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from pivotspec.models import load_lm
+    from pivotspec.decoding.models import load_lm
     from tests.conftest import make_tokenizer
 
     tok = make_tokenizer()

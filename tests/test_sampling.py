@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from pivotspec.decoding import decode
-from pivotspec.sampling import SamplingConfig, logits_to_probs, residual, sample
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, residual, sample
 from tests.conftest import make_tiny_model, make_tokenizer
 
 VOCAB = 8
@@ -65,6 +65,7 @@ def sampled_counts(target, draft, prompt, cfg, residual_fn) -> tuple[torch.Tenso
 CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8, top_k=5, top_p=0.95)]
 
 
+@pytest.mark.slow  # thousands of sampled decodes
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["T1", "T0.8-k5-p0.95"])
 def test_sd_samples_follow_target_distribution(small_vocab_pair, cfg):
     target, draft = small_vocab_pair
@@ -75,6 +76,7 @@ def test_sd_samples_follow_target_distribution(small_vocab_pair, cfg):
     assert chi_square_pvalue(c2, second) > 0.001
 
 
+@pytest.mark.slow  # thousands of sampled decodes
 def test_wrong_residual_is_detected(small_vocab_pair):
     """Resampling from p instead of norm(max(0, p - q)) over-weights tokens the draft already favours."""
     target, draft = small_vocab_pair
@@ -134,7 +136,7 @@ def close_drafts(tmp_path_factory):
     testbed draft's shape: q is 0 elsewhere)."""
     from transformers import AutoModelForCausalLM
 
-    from pivotspec.models import load_lm, reduced_vocab_lm
+    from pivotspec.decoding.models import load_lm, reduced_vocab_lm
 
     root = tmp_path_factory.mktemp("close")
     tok = make_tokenizer([f"t{i}" for i in range(VOCAB)])
@@ -156,6 +158,7 @@ def close_drafts(tmp_path_factory):
     return target, load_lm(str(root / "d")), reduced_vocab_lm("reduced", model, target.tokenizer, ids, VOCAB)
 
 
+@pytest.mark.slow  # thousands of sampled decodes
 @pytest.mark.parametrize("which", ["full-vocab draft", "reduced-vocab draft"])
 def test_sd_samples_follow_target_distribution_at_draft_position_4(close_drafts, which):
     """gamma 4 and 5 new tokens (so the first step drafts 4): the 4th token is the 4th draft position of the
@@ -175,11 +178,11 @@ def test_sd_samples_follow_target_distribution_at_draft_position_4(close_drafts,
 
 
 def test_pad_sigma0_equals_sd_draw_for_draw_when_sampling(small_vocab_pair):
-    from pivotspec.acceptance import PAD, constant_classifier
+    from pivotspec.decoding.acceptance import PAD, constant_classifier
 
     target, draft = small_vocab_pair
     cfg = SamplingConfig(temperature=0.9, top_p=0.95)
-    pad = PAD(constant_classifier(0.0), sigma=0.0, tau=0.0)  # scores 0 everywhere: any override would show
+    pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)  # scores 0 everywhere: any override would show
     for seed in range(40):
         sd = decode("sd", target, draft, [1, 2, 3], cfg=cfg, gamma=3, max_new_tokens=12, eos_ids=set(), seed=seed)
         pd = decode("pad", target, draft, [1, 2, 3], pad, cfg=cfg, gamma=3, max_new_tokens=12, eos_ids=set(),

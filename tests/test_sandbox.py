@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pivotspec.sandbox import run_code
+from pivotspec.tasks.sandbox import run_code
 
 
 def test_passing_and_failing_code():
@@ -159,8 +159,8 @@ def test_disk_filling_is_bounded():
 
 
 def test_code_tasks_refuse_to_run_without_isolation(monkeypatch, capsys):
-    from pivotspec import sandbox
     from pivotspec.cli import main
+    from pivotspec.tasks import sandbox
 
     sandbox.check_available.cache_clear()
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)

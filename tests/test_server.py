@@ -169,6 +169,7 @@ def test_disconnect_mid_stream_stops_the_decode(server, monkeypatch):
                                                  "max_tokens": 2})[0] == 200
 
 
+@pytest.mark.slow  # starts a server process
 def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny_dir, tmp_path):
     import os
     import signal
@@ -207,6 +208,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(tiny_dir, tmp_pat
 CHROMIUM = "/usr/bin/chromium"
 
 
+@pytest.mark.slow  # starts a browser
 def test_playground_streams_coloured_tokens_in_a_real_browser(server):
     import os
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivotspec.decoding import decode
-from pivotspec.models import eos_ids, load_lm
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.models import eos_ids, load_lm
 from pivotspec.tasks import encode_prompt
+
+pytestmark = pytest.mark.slow  # loads SmolLM2 (real weights)
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
 
@@ -48,7 +50,7 @@ def test_rollback_leaves_cache_as_if_rejected_tokens_never_went_in(smollm2):
 
 
 def test_gguf_path_is_converted_once_into_the_cache(tmp_path, monkeypatch):
-    from pivotspec import models
+    from pivotspec.decoding import models
 
     calls = []
     monkeypatch.setattr(models, "convert_gguf", lambda src, out: calls.append((src, out)) or out)

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pivotspec import features
+from pivotspec.classifier import features
 from pivotspec.cli import main
-from pivotspec.decoding import decode
-from pivotspec.models import check_same_tokenizer, eos_ids, load_lm
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.models import check_same_tokenizer, eos_ids, load_lm
 from pivotspec.tasks import encode_problem, get_task
+
+pytestmark = pytest.mark.slow  # loads the embedded pairs (real weights)
 
 EXPECTED = Path(__file__).parent / "data" / "testbed_expected.json"
 LABELS = Path(__file__).parent.parent / "labels" / "testbed_arith_train.jsonl"
@@ -37,10 +39,8 @@ def record() -> None:
 
 
 @pytest.fixture(scope="module")
-def pair():
-    target, draft = load_lm("testbed-target"), load_lm("testbed-draft")
-    check_same_tokenizer(target, draft)
-    return target, draft
+def pair(testbed_pair):
+    return testbed_pair.target, testbed_pair.draft
 
 
 def test_shipped_models_reproduce_recorded_completions(pair):
@@ -60,7 +60,7 @@ def test_shipped_draft_is_small_and_reduced_vocab(pair):
 
 
 def test_shipped_classifier_fits_the_target_and_drives_pad(pair, capsys):
-    from pivotspec.classifier import load_for_target
+    from pivotspec.classifier.model import load_for_target
     from pivotspec.testbed.artifacts import shipped_classifier
 
     target, draft = pair
@@ -82,9 +82,9 @@ def test_classifier_learns_a_label_that_only_the_draft_token_decides(pair):
     """Relabel real candidates so that d is a pivot iff its token id is odd: nothing about the prefix or the
     target's distribution tells, only d itself. A classifier reading d's own row learns it on held-out
     problems; one reading the row that predicts d (which has not seen d) cannot."""
-    from pivotspec import metrics
-    from pivotspec.classifier import pivot_scores
-    from pivotspec.classifier_training import fit_with_sweep, inputs
+    from pivotspec.classifier import metrics
+    from pivotspec.classifier.model import pivot_scores
+    from pivotspec.classifier.training import fit_with_sweep, inputs
     from pivotspec.store import read_records
 
     target, _ = pair
@@ -105,7 +105,7 @@ def test_demo_runs(tmp_path, capsys):
 
 
 def test_hard_pair_is_registered_lossless_and_writes_in_two_styles():
-    from pivotspec.models import PAIRS
+    from pivotspec.decoding.models import PAIRS
 
     assert PAIRS["testbed-hard"].task == "arith-hard"
     target, draft = load_lm("testbed-hard-target"), load_lm("testbed-hard-draft")

@@ -1,7 +1,9 @@
-"""Acceptance policies by name: what `--method`, `--classifier`, `--sigma` and `--baseline` ask for.
+"""Acceptance policies by name: what ``method``, ``classifier``, ``sigma``, ``p_floor`` and a baseline spec ask for.
 
-One place turns those settings into a policy for the decoding loop, so the CLI, the server, the Python API
-and the benchmarks build the same thing from the same words.
+``make_policy`` is the one place that turns those words into a policy for the decoding loop (lossless SD, PAD
+with a classifier from its files, or a training-free baseline such as ``topk:k=3``), so the API, evaluation and
+the server build the same thing from the same words. It sits above the decoding core and the classifier,
+which it joins, and below the workflows that decode.
 """
 
 from __future__ import annotations
@@ -9,30 +11,37 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pivotspec.classifier.model import load, load_for_target
+from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR, PAD, Lossless, constant_classifier
+from pivotspec.decoding.baselines import BASELINES, make_baseline
+from pivotspec.decoding.loop import METHODS
+from pivotspec.decoding.models import PAIRS
 from pivotspec.errors import UsageError
-
-METHODS = ("ar", "draft", "sd", "pad")
 
 
 def default_classifier(pair: str | None) -> str | None:
     """The classifier shipped with a registered pair, if any."""
-    from pivotspec.models import PAIRS
-
     registered = PAIRS.get(pair or "")
     path = registered.classifier() if registered and registered.classifier else None
     return str(path) if path else None
 
 
-def make_policy(method: str, target: Any = None, *, classifier: str | None = None, sigma: float | None = None,
-                tau: float = 1e-4, pair: str | None = None) -> Any:
-    """The acceptance policy for ``method`` (ar, draft and sd: lossless). For ``pad``: ``classifier`` is a
-    directory from train-classifier or ``const:SCORE``; without one, the pair's shipped classifier. With
-    ``target=None`` the classifier's directory is only validated (argument errors before models load) and
-    None is returned."""
-    from pivotspec.acceptance import PAD, Lossless, constant_classifier
+def is_baseline(method: str) -> bool:
+    """A training-free baseline spec (``topk``, ``topk:k=3,ratio=0.2``) rather than a method name."""
+    return method.partition(":")[0] in BASELINES
 
+
+def make_policy(method: str, target: Any = None, *, classifier: str | None = None, sigma: float | None = None,
+                p_floor: float = DEFAULT_P_FLOOR, pair: str | None = None) -> Any:
+    """The acceptance policy for ``method``: ar, draft and sd are lossless; a baseline spec is that baseline; ``pad``
+    reads ``classifier``, a directory from train-classifier or ``const:SCORE`` (default: the pair's shipped
+    one). With ``target=None`` a pad classifier's directory, sigma and floor are only checked (argument
+    errors before models load) and None is returned."""
+    if is_baseline(method):
+        return make_baseline(method)
     if method not in METHODS:
-        raise UsageError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+        raise UsageError(f"unknown method {method!r}: choose one of {', '.join(METHODS)} or a baseline "
+                         f"({', '.join(BASELINES)})")
     if method != "pad":
         return Lossless()
     classifier = classifier or default_classifier(pair)
@@ -43,26 +52,12 @@ def make_policy(method: str, target: Any = None, *, classifier: str | None = Non
             score = float(classifier.split(":", 1)[1])
         except ValueError:
             raise UsageError(f"bad classifier {classifier!r}: write const:SCORE with SCORE in [0, 1]") from None
-        return PAD(constant_classifier(score), sigma=0.5 if sigma is None else sigma, tau=tau)
-    from pivotspec.classifier import load, load_for_target
-
+        return PAD(constant_classifier(score), sigma=0.5 if sigma is None else sigma, p_floor=p_floor)
     if target is None:
         load(Path(classifier))  # validates the directory before any model is loaded
         if sigma is not None:
-            PAD(constant_classifier(0.0), sigma=sigma, tau=tau)  # validates sigma and tau
+            PAD(constant_classifier(0.0), sigma=sigma, p_floor=p_floor)  # validates sigma and the floor
         return None
     classify, config = load_for_target(Path(classifier), target)
-    return PAD(classify, sigma=config["sigma"] if sigma is None else sigma, tau=tau, hidden_layer=config["layer"])
-
-
-def parse_floats(text: str, what: str) -> list[float]:
-    """'0.3,0.5' -> [0.3, 0.5]; anything else is a one-line error naming the flag."""
-    import math
-
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{what} must be comma-separated numbers, got {text!r}") from None
-    if not values or not all(math.isfinite(v) for v in values):
-        raise UsageError(f"{what} must be comma-separated finite numbers, got {text!r}")
-    return values
+    return PAD(classify, sigma=config["sigma"] if sigma is None else sigma, p_floor=p_floor,
+               hidden_layer=config["layer"])

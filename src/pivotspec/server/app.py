@@ -69,20 +69,13 @@ class Server:
         self.lock = threading.Lock()
         self.policies: dict[tuple, Any] = {}
 
-    def policy(self, method: str, sigma: float | None) -> tuple[str, Any]:
-        """(decode method, policy) for a request's ``method``: ar, draft, sd, pad or a baseline spec."""
-        from pivotspec.baselines import BASELINES, make_baseline
-        from pivotspec.policies import make_policy
-
+    def policy(self, method: str, sigma: float | None) -> Any:
+        """The acceptance policy for a request's ``method`` (ar, draft, sd, pad or a baseline spec), built once."""
         key = (method, sigma)
         if key not in self.policies:
             try:
-                if method.partition(":")[0] in BASELINES:
-                    self.policies[key] = ("pad", make_baseline(method))
-                else:
-                    self.policies[key] = (method, make_policy(method, self.pair.target,
-                                                              classifier=self.settings.classifier, sigma=sigma,
-                                                              pair=self.pair.name))
+                self.policies[key] = api.make_policy(self.pair, method, classifier=self.settings.classifier,
+                                                     sigma=sigma)
             except UsageError as exc:
                 raise APIError(400, str(exc), param="method") from None
         return self.policies[key]
@@ -130,8 +123,7 @@ class Server:
         sigma = body.get("sigma", self.settings.sigma)
         if sigma is not None:
             sigma = _number(body, "sigma", 0.0, 0.0, 1.0)
-        method, policy = self.policy(method, sigma)
-        args.update(method=method, policy=policy, max_new_tokens=min(max_tokens, 4096),
+        args.update(method=method, policy=self.policy(method, sigma), max_new_tokens=min(max_tokens, 4096),
                     temperature=_number(body, "temperature", 0.0, 0.0, 100.0),
                     top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), stop=stop, seed=seed, gamma=gamma,
                     chat=chat, chat_template_kwargs=kwargs)

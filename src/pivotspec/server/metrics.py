@@ -33,12 +33,12 @@ COUNTERS = {
 def speculative_metrics(stats: dict[str, Any]) -> dict[str, Any]:
     """Per-response statistics, named like vLLM's per-request spec-decode metrics plus pivotspec's own."""
     steps = stats["target_forwards"] if stats["drafted"] else 0
-    kept = stats["accepted"] + stats["overridden"]
+    kept = stats["accepted"] + stats["override"]
     return {"num_drafts": steps, "num_draft_tokens": stats["drafted"], "num_accepted_tokens": kept,
             "mean_acceptance_length": (stats["new_tokens"] / stats["target_forwards"]
                                        if stats["target_forwards"] else None),
             "acceptance_rate": kept / stats["drafted"] if stats["drafted"] else None,
-            "pad_overrides": stats["overridden"], "corrections": stats["corrected"], "bonus_tokens": stats["bonus"]}
+            "pad_overrides": stats["override"], "corrections": stats["corrected"], "bonus_tokens": stats["bonus"]}
 
 
 class Metrics:

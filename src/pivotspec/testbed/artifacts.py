@@ -50,7 +50,7 @@ def _build_atomically(out: Path, build: Callable[[Path], None]) -> Path:
 
 
 def _copy_tokenizer(dst: Path) -> None:
-    from pivotspec.models import smollm2_dir
+    from pivotspec.decoding.models import smollm2_dir
 
     src = smollm2_dir()
     for name in TOKENIZER_FILES:
@@ -59,7 +59,7 @@ def _copy_tokenizer(dst: Path) -> None:
 
 
 def target_dir(data: Path = DATA, name: str = "testbed-target") -> Path:
-    from pivotspec.models import cache_dir
+    from pivotspec.decoding.models import cache_dir
 
     files = [data / "target_lora.safetensors", data / "target_lora.json"]
 
@@ -68,7 +68,7 @@ def target_dir(data: Path = DATA, name: str = "testbed-target") -> Path:
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
-        from pivotspec.models import quiet_transformers, smollm2_dir
+        from pivotspec.decoding.models import quiet_transformers, smollm2_dir
         from pivotspec.testbed.lora import merge_adapters
 
         quiet_transformers()
@@ -82,7 +82,7 @@ def target_dir(data: Path = DATA, name: str = "testbed-target") -> Path:
 
 
 def draft_dir(data: Path = DATA, name: str = "testbed-draft") -> Path:
-    from pivotspec.models import VOCAB_MAP_FILE, cache_dir
+    from pivotspec.decoding.models import VOCAB_MAP_FILE, cache_dir
 
     files = [data / "draft" / "config.json", data / "draft" / "model.safetensors", data / "draft" / VOCAB_MAP_FILE]
 
@@ -102,7 +102,7 @@ def shipped_classifier(data: Path = DATA) -> Path | None:
 
 def register() -> None:
     """Make the testbed models and pairs known to ``pivotspec.models`` (done on ``import pivotspec``)."""
-    from pivotspec.models import RegisteredPair, register_model, register_pair
+    from pivotspec.decoding.models import RegisteredPair, register_model, register_pair
 
     register_model("testbed-target", target_dir)
     register_model("testbed-draft", draft_dir)

@@ -59,14 +59,6 @@ def export_adapters(model: nn.Module, names: list[str], dtype: torch.dtype = tor
     return tensors
 
 
-def strip_adapters(model: nn.Module, names: list[str]) -> None:
-    """Put the plain Linear layers back (after their weights were merged)."""
-    for name in names:
-        parent_name, attr = name.rsplit(".", 1)
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, getattr(parent, attr).base)
-
-
 @torch.no_grad()
 def merge_adapters(model: nn.Module, tensors: dict[str, torch.Tensor], scale: float) -> None:
     """W += scale * B @ A for each adapter, computed in float32 from the stored tensors."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pivotspec.models import VOCAB_MAP_FILE, quiet_transformers, smollm2_dir
+from pivotspec.decoding.models import VOCAB_MAP_FILE, quiet_transformers, smollm2_dir
 from pivotspec.tasks import encode_problem, get_task
 from pivotspec.testbed.train_target import STYLES, TASKS, batches, build_examples, warmup_cosine
 
@@ -46,8 +46,8 @@ def make_config(n_rows: int, layers: int, hidden: int):
 def greedy_accuracy(model, tokenizer, token_ids: list[int], n: int, max_new_tokens: int = 160,
                     task_name: str = "arith") -> float:
     """Greedy accuracy on validation problems, decoding in the draft's own row space."""
-    from pivotspec.decoding import generate
-    from pivotspec.models import reduced_vocab_lm
+    from pivotspec.decoding.loop import generate
+    from pivotspec.decoding.models import reduced_vocab_lm
 
     task = get_task(task_name)
     lm = reduced_vocab_lm("draft", model, tokenizer, token_ids, len(tokenizer))

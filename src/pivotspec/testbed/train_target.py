@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pivotspec.models import quiet_transformers, smollm2_dir
+from pivotspec.decoding.models import quiet_transformers, smollm2_dir
 from pivotspec.tasks import encode_problem, get_task
 from pivotspec.testbed import lora
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pivotspec.errors import UsageError
-from pivotspec.labeling import identity_diff, is_pivot
+from pivotspec.labels.walk import identity_diff, is_pivot
+from pivotspec.store import read_records
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -35,8 +36,6 @@ def merge_labels(out: Path, inputs: list[Path], overwrite: bool = False) -> dict
     refused. ``out`` is written whole to a temporary file and renamed, so a failed merge leaves nothing."""
     import json
     import os
-
-    from pivotspec.store import read_records
 
     if out.exists() and not overwrite:
         raise UsageError(f"{out} exists: pass --overwrite to replace it, or choose another output")

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from pivotspec import classifier as clf
-from pivotspec import features, metrics
+from pivotspec.classifier import features, metrics
+from pivotspec.classifier import model as clf
+from pivotspec.decoding.models import LM
 from pivotspec.errors import UsageError
-from pivotspec.models import LM
 
 SWEEP_LRS = (1e-3, 3e-4, 1e-4)
 SWEEP_WEIGHT_DECAYS = (0.0, 1e-2)
@@ -31,7 +31,7 @@ MIN_PER_CLASS = 5  # fewer pivots or non-pivots than this in a split cannot trai
 
 @dataclass(frozen=True)
 class Filters:
-    """The authors' training filters (method.md section 2, step 7); the first is on by default."""
+    """The authors' training filters (from their labeling scripts); the first is on by default."""
 
     drop_unsolvable: bool = True  # U_rej == 0: the target fails either way, so d changes nothing
     pivot_max_u_acc: float | None = None  # keep pivots only if U_acc <= this
@@ -102,14 +102,11 @@ def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended
                       split_seed: int = 0, filters: Filters = Filters(), compare_types: bool = False,
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Extract features, split by problem, sweep, calibrate sigma on selection, report on the report split,
-    save to ``out`` (which the caller has checked may be written); returns the stored config."""
-    from pivotspec.labeling import model_identity
+    save to ``out``; returns the stored config. The caller (``api.train_classifier``) has checked the labels
+    file, ``out`` and the settings."""
+    from pivotspec.labels.walk import model_identity
     from pivotspec.store import read_records
 
-    if not labels.is_file():
-        raise UsageError(f"labels file {str(labels)!r} does not exist: run `pivotspec label` first")
-    if not 0 < target_recall <= 1:
-        raise UsageError(f"--target-recall must be in (0, 1], got {target_recall}")
     if (kind == "extended" or compare_types) and draft is None:
         raise UsageError("classifier type 'extended' (and --compare-types) needs the draft: pass --draft or --pair")
     resolved = target.resolve_layer(layer)
@@ -165,7 +162,7 @@ def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended
 
 def check_labels_target(records: list[dict], target: LM, path: Path) -> None:
     """Labels made with another target describe that model's rollouts, not this one's."""
-    from pivotspec.labeling import model_identity, same_model
+    from pivotspec.labels.walk import model_identity, same_model
 
     made_with = next((r.get("target") for r in records if r.get("type") == "candidate"), None)
     mine = model_identity(target)
@@ -181,15 +178,12 @@ def check_labels_target(records: list[dict], target: LM, path: Path) -> None:
 
 def evaluate_on_labels(classifier_dir: Path, labels: Path, target: LM, draft: LM | None, plots: Path,
                        filters: Filters = Filters()) -> dict[str, Any]:
-    """The classifier and its stored references on every (filtered) candidate of another labels file."""
+    """The classifier and its stored references on every (filtered) candidate of another labels file (which
+    ``api.evaluate_classifier`` has checked, with the draft an ``extended`` classifier needs)."""
     from pivotspec.store import read_records
 
     net, config = clf.load(classifier_dir)
     clf.check_compatible(config, target)
-    if not labels.is_file():
-        raise UsageError(f"labels file {str(labels)!r} does not exist: check the path")
-    if config["type"] == "extended" and draft is None:
-        raise UsageError("this classifier reads draft scalars: pass --draft")
     records = read_records(labels, repair=False)
     check_labels_target(records, target, labels)
     feats = features.extract(target, records, config["layer"], draft if config["type"] == "extended" else None,

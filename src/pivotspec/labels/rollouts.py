@@ -30,9 +30,9 @@ from typing import Any, Protocol
 
 import torch
 
+from pivotspec.decoding.models import LM
+from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from pivotspec.errors import UsageError
-from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
 
 ENGINES = ("torch", "vllm")
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -99,7 +99,7 @@ def padded_rollouts(lm: LM, requests: list[RolloutRequest], cfg: SamplingConfig,
     """Several prefixes' rollouts in one batch: each prefix's keys and values are left-padded to the longest
     and masked, and each row is fed its own position. On a CPU a batch of 80 rows samples ~1.8x the tokens
     per second of a batch of 20 (one candidate's), which is what running walks side by side buys."""
-    from pivotspec.kvcache import growing_cache
+    from pivotspec.decoding.kvcache import growing_cache
 
     caches = [_prefix_cache(lm, r, private=False) for r in requests]  # only read: stacked into new tensors
     lengths = [len(r.prefix) for r in requests]

@@ -1,4 +1,5 @@
-"""Training-free relaxed acceptance rules (method.md section 7), as policies for the same loop as PAD.
+"""Training-free relaxed acceptance rules (as in vLLM, SGLang, TensorRT-LLM and transformers), as policies for
+the same loop as PAD.
 
 Each keeps some draft tokens that lossless SD rejects; each has a neutral knob value at which it keeps none
 of them and so is exactly SD. Spec strings name a rule and its knobs: ``typical``, ``topk:k=5,ratio=0.3``.
@@ -12,9 +13,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pivotspec.acceptance import Verification
+from pivotspec.decoding.acceptance import Verification
+from pivotspec.decoding.sampling import entropy
 from pivotspec.errors import UsageError
-from pivotspec.sampling import entropy
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from pivotspec.decoding.sampling import argmax
 from pivotspec.errors import UsageError
-from pivotspec.sampling import argmax
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -155,10 +155,6 @@ def register_pair(name: str, pair: RegisteredPair) -> None:
     PAIRS[name] = pair
 
 
-def registered_names() -> list[str]:
-    return sorted(MODELS)
-
-
 def resolve(spec: str) -> tuple[Path | str, str | None]:
     """Map a model spec to (directory or hub id, gguf file name or None); no network access."""
     names = MODELS
@@ -237,7 +233,7 @@ class LM:
         return resolved
 
     def reset(self) -> None:
-        from pivotspec.kvcache import growing_cache
+        from pivotspec.decoding.kvcache import growing_cache
 
         self.cache = growing_cache(self.model.config)
         self.cached_ids = []

@@ -81,11 +81,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.minimum(idx, last).reshape(probs.shape[:-1])
 
 
-def pick(probs: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """Greedy argmax or a sample, per row."""
-    return argmax(probs) if cfg.greedy else sample(probs, generator)
-
-
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The SD correction distribution norm(max(0, p - q)). Falls back to p when p <= q everywhere,
     which only happens through rounding (a rejection implies p(x) < q(x) for the drafted x)."""

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, logits_to_probs, sample
+from pivotspec.decoding.models import LM
+from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, sample
 
 
 @dataclass

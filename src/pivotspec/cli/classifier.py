@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pivotspec import classifier as clf
-from pivotspec.classifier_training import Filters, evaluate_on_labels, train_from_labels
-from pivotspec.errors import UsageError
+from pivotspec import api
+from pivotspec.cli.common import add_model_args
 
 
 def summary_lines(rep: dict[str, Any]) -> list[str]:
@@ -36,25 +34,23 @@ def reference_lines(config: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _filters(args: argparse.Namespace) -> Filters:
-    return Filters(drop_unsolvable=not args.keep_unsolvable, pivot_max_u_acc=args.pivot_max_u_acc,
-                   nonpivot_min_u_acc=args.nonpivot_min_u_acc)
+def _filters(args: argparse.Namespace) -> dict[str, Any]:
+    return {"drop_unsolvable": not args.keep_unsolvable, "pivot_max_u_acc": args.pivot_max_u_acc,
+            "nonpivot_min_u_acc": args.nonpivot_min_u_acc}
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> None:
-    from pivotspec.api import load_pair
-    from pivotspec.store import check_output_dir
-
-    check_output_dir(args.out, args.overwrite, clf.CONFIG)
-    pair = load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
-                     device=args.device, needs_draft=args.type == "extended" or args.compare_types)
-    target, draft = pair.target, pair.draft
+    api.check_train_classifier(args.labels, args.out, args.overwrite, args.type, args.target_recall)
+    pair = api.load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
+                         device=args.device, needs_draft=args.type == "extended" or args.compare_types)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    config = train_from_labels(args.labels, target, args.out, args.type, args.layer, args.target_recall, draft,
-                               args.epochs, args.seed, args.split_seed, _filters(args), args.compare_types, progress)
+    config = api.train_classifier(pair, args.labels, args.out, overwrite=args.overwrite, filters=_filters(args),
+                                  kind=args.type, layer=args.layer, target_recall=args.target_recall,
+                                  epochs=args.epochs, seed=args.seed, split_seed=args.split_seed,
+                                  compare_types=args.compare_types, progress=progress)
     chosen = config["training"]["sweep"]["chosen"]
     at = config["metrics"]["report_at_sigma"]
     print("\n".join(summary_lines(config["metrics"]["report"])))
@@ -69,19 +65,9 @@ def cmd_train_classifier(args: argparse.Namespace) -> None:
 
 
 def cmd_eval_classifier(args: argparse.Namespace) -> None:
-    from pivotspec.models import load_lm
-
-    _, config = clf.load(args.classifier)
-    if not args.labels.is_file():
-        raise UsageError(f"labels file {str(args.labels)!r} does not exist: check the path")
-    if config["type"] == "extended" and not args.draft:
-        raise UsageError("this classifier reads draft scalars: pass --draft")
-    target = load_lm(args.target or config["target"]["name"], args.dtype, device=args.device)
-    draft = load_lm(args.draft, args.dtype, device=args.device) if config["type"] == "extended" else None
-    # Plots go next to the labels (or to --out), never into the classifier directory: that may be inside
-    # the installed package, and a classifier directory must hold only the classifier.
-    plots = args.out or args.labels.with_name(f"{args.labels.stem}.eval-{Path(args.classifier).name}")
-    rep = evaluate_on_labels(args.classifier, args.labels, target, draft, plots, _filters(args))
+    rep = api.evaluate_classifier(args.classifier, args.labels, target=args.target, draft=args.draft,
+                                  dtype=args.dtype, device=args.device, out=args.out, filters=_filters(args))
+    config = rep.pop("config")
     if args.json:
         print(json.dumps(rep))
         return
@@ -91,7 +77,7 @@ def cmd_eval_classifier(args: argparse.Namespace) -> None:
           f"accepted {at['override_rate']:.3f}")
     for name, auroc in rep["references"].items():
         print(f"reference {name}: AUROC {auroc:.3f}")
-    print(f"ROC and PR curves in {plots}")
+    print(f"ROC and PR curves in {rep['plots']}")
 
 
 def add_filter_args(p: argparse.ArgumentParser) -> None:
@@ -103,7 +89,7 @@ def add_filter_args(p: argparse.ArgumentParser) -> None:
                    help="keep non-pivots only if U_acc >= this (default off; the authors use 0.8)")
 
 
-def add_parsers(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parsers(sub: Any) -> None:
     tr = sub.add_parser("train-classifier", help="train a pivot classifier on a labels file",
                         description="Train a pivot classifier: train/selection/report splits by problem, a small "
                         "lr x weight-decay sweep chosen on selection, sigma calibrated on selection, held-out "
@@ -113,7 +99,7 @@ def add_parsers(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], No
     tr.add_argument("--out", type=Path, required=True, help="classifier directory (refused if it holds one, "
                     "unless --overwrite)")
     tr.add_argument("--overwrite", action="store_true", help="replace the classifier in --out")
-    tr.add_argument("--type", choices=clf.TYPES, default="extended_v2", help="(default extended_v2)")
+    tr.add_argument("--type", choices=api.CLASSIFIER_TYPES, default="extended_v2", help="(default extended_v2)")
     tr.add_argument("--layer", type=int, default=-8,
                     help="target layer in HF hidden_states indexing: -8 = 7 blocks below the top (default -8)")
     tr.add_argument("--target-recall", type=float, default=0.95,

@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pivotspec
 from pivotspec import api
-from pivotspec.cli_common import (
+from pivotspec.cli.classifier import add_parsers as add_classifier_parsers
+from pivotspec.cli.common import (
     SPLITS,
     TASK_NAMES,
     Parser,
@@ -21,28 +23,23 @@ from pivotspec.cli_common import (
     add_decoding_args,
     add_model_args,
     load_pair,
+    parse_floats,
+    policy_args,
     task_name,
 )
+from pivotspec.cli.labels import add_parsers as add_labels_parsers
 from pivotspec.errors import UsageError
-from pivotspec.models import PAIRS
-from pivotspec.store import ensure_writable_dir
-
-
-def _version() -> str:
-    import pivotspec
-
-    return pivotspec.__version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="pivotspec", description="Pivot-aware speculative decoding (PAD) on Hugging Face causal LMs.")
-    parser.add_argument("--version", action="version", version=f"pivotspec {_version()}")
+    parser.add_argument("--version", action="version", version=f"pivotspec {pivotspec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="decode prompts with ar, draft, sd or pad")
     add_model_args(gen)
     add_decoding_args(gen)
-    gen.add_argument("--method", choices=["ar", "draft", "sd", "pad"], help="default: sd with a draft, else ar")
+    gen.add_argument("--method", choices=api.METHODS, help="default: sd with a draft, else ar")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", type=Path,
@@ -69,8 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=cmd_eval)
-
-    from pivotspec.labels_cli import add_parsers as add_labels_parsers
 
     add_labels_parsers(sub)  # label, labels stats|merge
 
@@ -105,22 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-name", help="the model id clients send (default: the target's name)")
     srv.set_defaults(func=cmd_serve)
 
-    from pivotspec.classifier_cli import add_parsers as add_classifier_parsers
-    add_classifier_parsers(sub, add_model_args)
+    add_classifier_parsers(sub)
 
     return parser
-
-
-def read_prompts(path: Path) -> list[dict[str, Any]]:
-    from pivotspec.store import read_user_jsonl
-
-    prompts = read_user_jsonl(path, "prompts file")
-    for n, obj in enumerate(prompts, 1):
-        if not ({"prompt", "messages"} & obj.keys()):
-            raise UsageError(f'{path}: record {n} needs a "prompt" or "messages" key')
-        if "prompt" in obj and not isinstance(obj["prompt"], str):
-            raise UsageError(f'{path}: record {n}: "prompt" must be a string')
-    return prompts
 
 
 def generation_json(gen: Any, tokenizer: Any) -> dict[str, Any]:
@@ -132,19 +114,13 @@ def generation_json(gen: Any, tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _policy_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {"classifier": args.classifier, "sigma": args.sigma, "tau": args.tau}
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
-    from pivotspec.policies import make_policy
-
     api.check_decoding(args.gamma, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop)
     method = args.method or ("sd" if (args.draft or args.pair) else "ar")
-    prompts = read_prompts(args.prompts_file) if args.prompts_file else [{"prompt": args.prompt}]
-    make_policy(method, None, pair=args.pair, **_policy_args(args))  # argument errors before models load
+    prompts = api.read_prompts(args.prompts_file) if args.prompts_file else [{"prompt": args.prompt}]
+    api.make_policy(None, method, pair_name=args.pair, **policy_args(args))  # argument errors before models load
     pair = load_pair(args, needs_draft=method != "ar")
-    policy = make_policy(method, pair.target, pair=args.pair, **_policy_args(args))
+    policy = api.make_policy(pair, method, **policy_args(args))
     for item in prompts:
         gen = api.generate(pair, item.get("prompt"), messages=item.get("messages"), method=method, policy=policy,
                            gamma=args.gamma, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -160,46 +136,31 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
 
 
-def _eval_settings(args: argparse.Namespace) -> Any:
-    from pivotspec.evaluation import EvalSettings
-
-    args.task = task_name(args)
-    return EvalSettings(task=args.task, data=args.data, split=args.split, n=args.n, seed=args.seed, gamma=args.gamma,
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
-                        chat_template_kwargs=args.chat_template_kwargs, stop=args.stop, classifier=args.classifier,
-                        out=args.out, overwrite=args.overwrite)
+def _eval_settings(args: argparse.Namespace) -> api.EvalSettings:
+    return api.EvalSettings(task=task_name(args), data=args.data, split=args.split, n=args.n, seed=args.seed,
+                            gamma=args.gamma, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
+                            chat_template_kwargs=args.chat_template_kwargs, stop=args.stop,
+                            classifier=args.classifier, out=args.out, overwrite=args.overwrite)
 
 
 def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    from pivotspec.evaluation import method_specs
-    from pivotspec.policies import parse_floats
-    from pivotspec.tasks import get_task
-
     settings = _eval_settings(args)
-    api.check_decoding(args.gamma, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.stop)
-    if args.n < 1:
-        raise UsageError(f"--n must be >= 1, got {args.n}")
-    get_task(args.task, args.data)  # task and data errors before the (slow) model loading
     sigmas = parse_floats(args.sigmas, "--sigmas") if args.sigmas else None
     baselines = [b for b in (args.baselines or "").split(",") if b] + list(args.baseline)
-    kwargs = {"sigmas": sigmas, "baselines": baselines, "pair": args.pair, **_policy_args(args)}
-    specs = method_specs(args.methods, None, **kwargs)
-    if args.out is not None:
-        ensure_writable_dir(args.out)
+    kwargs = {"sigmas": sigmas, "baselines": baselines, **policy_args(args)}
+    specs = api.method_specs(None, args.methods, pair_name=args.pair, **kwargs)
+    api.check_evaluate(settings, specs)  # settings, task, data and --out before the (slow) model loading
     pair = load_pair(args, needs_draft=any(s.method != "ar" for s in specs))
-    specs = method_specs(args.methods, pair.target, **kwargs)
-    return api.evaluate(pair, settings, specs=specs)
+    return api.evaluate(pair, settings, specs=api.method_specs(pair, args.methods, **kwargs))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from pivotspec.reports import format_table
-
     summary = run_eval_command(args)
     if args.json:
         print(json.dumps({"methods": summary}))
     else:
-        print(format_table(summary))
+        print(api.format_table(summary))
         if args.out:
             print(f"report: {args.out / 'report.html'}")
 
@@ -209,34 +170,29 @@ DEMO_MARK = ".pivotspec-demo"
 
 def cmd_demo(args: argparse.Namespace) -> None:
     """eval of an embedded pair on its task's test problems, with the shipped classifier when there is one."""
-    from pivotspec.policies import default_classifier
-    from pivotspec.reports import format_table
-
-    out = args.out
-    if out.exists() and not out.is_dir():
-        ensure_writable_dir(out)  # the one-line error for a file in the way
-    earlier_demo = (out / DEMO_MARK).is_file()
-    if out.is_dir() and any(out.iterdir()) and not (earlier_demo or args.overwrite):
-        raise UsageError(f"{out} holds files that are not an earlier demo: pass --overwrite to replace them, or "
-                         "choose another --out")
-    task = PAIRS[args.pair].task if args.pair in PAIRS else None
+    task = api.pair_task(args.pair)
     if task is None:
-        embedded = ", ".join(name for name, p in PAIRS.items() if p.task)
+        embedded = ", ".join(name for name in api.pair_names() if api.pair_task(name))
         raise UsageError(f"the demo runs an embedded pair ({embedded}), not {args.pair!r}: use pivotspec eval")
-    clf_dir = default_classifier(args.pair)
+    clf_dir = api.default_classifier(args.pair)
     methods = "ar,sd,pad" if clf_dir else "ar,sd"
+    out = args.out
     ns = build_parser().parse_args(["eval", "--pair", args.pair, "--task", task, "--methods", methods,
                                     "--n", str(args.n), "--out", str(out), "--overwrite"]
                                    + (["--threads", str(args.threads)] if args.threads else [])
                                    + (["--device", args.device] if args.device else []))
     ns.chat_template_kwargs = args.chat_template_kwargs
+    earlier_demo = (out / DEMO_MARK).is_file()
+    if out.is_dir() and any(out.iterdir()) and not (earlier_demo or args.overwrite):
+        raise UsageError(f"{out} holds files that are not an earlier demo: pass --overwrite to replace them, or "
+                         "choose another --out")
+    api.check_evaluate(_eval_settings(ns), [])  # also a file in the way of --out, or one that cannot be written
     if not clf_dir:
         print("pivotspec: note: no pivot classifier is shipped yet, so the demo runs ar and sd only",
               file=sys.stderr)
-    ensure_writable_dir(out)
     (out / DEMO_MARK).write_text("written by `pivotspec demo`; a later demo may replace this directory\n")
     summary = run_eval_command(ns)
-    print(format_table(summary))
+    print(api.format_table(summary))
     print(f"report: {(out / 'report.html').resolve()}")
 
 
@@ -247,13 +203,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise UsageError("pivotspec serve needs FastAPI and uvicorn: pip install 'pivotspec[serve]'") from None
     if args.max_queue < 0 or args.gamma < 1 or args.max_tokens < 1:
         raise UsageError("--max-queue must be >= 0, --gamma and --max-tokens >= 1")
+    # a bad default method, classifier or sigma fails now, before the models load, not on every request
+    api.make_policy(None, args.method, classifier=args.classifier, sigma=args.sigma, pair_name=args.pair)
     pair = load_pair(args, needs_draft=args.method != "ar")
     settings = Settings(model=args.model_name or pair.target.name, method=args.method, classifier=args.classifier,
                         sigma=args.sigma, gamma=args.gamma, max_queue=args.max_queue, api_key=args.api_key,
                         max_tokens=args.max_tokens)
-    from pivotspec.server.app import Server
-
-    Server(pair, settings).policy(settings.method, settings.sigma)  # a bad default method fails now, not per request
     print(f"pivotspec: serving {settings.model!r} ({settings.method}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     serve(pair, settings, args.host, args.port)

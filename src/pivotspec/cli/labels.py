@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotspec import api
-from pivotspec.cli_common import SPLITS, TASK_NAMES, Parser, add_chat_args, add_model_args, load_pair, task_name
-from pivotspec.errors import UsageError
+from pivotspec.cli.common import SPLITS, TASK_NAMES, Parser, add_chat_args, add_model_args, load_pair, task_name
 
 
 def add_parsers(sub: Any) -> None:
@@ -69,62 +68,35 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_label(args: argparse.Namespace) -> None:
-    from pivotspec.label_files import label_stats, parse_shard
-    from pivotspec.labeling import LabelConfig
-    from pivotspec.tasks import get_task
-
     config = dict(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
                   max_rollout_tokens=args.max_rollout_tokens, mode=args.mode, alpha=args.alpha, follow=args.follow,
                   min_target_rate=args.min_target_rate, max_walk_tokens=args.max_walk_tokens, seed=args.seed,
                   engine=args.engine)
-    LabelConfig(**config)  # argument errors before the (slow) model loading
-    if args.n_problems < 1:
-        raise UsageError(f"--n-problems must be >= 1, got {args.n_problems}")
-    if args.concurrency < 1:
-        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
-    args.task = task_name(args)
-    get_task(args.task)
-    run = dict(task=args.task, split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
+    run = dict(task=task_name(args), split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
                judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, concurrency=args.concurrency,
                **config)
     if args.ray:
-        if args.shard:
-            raise UsageError("--ray makes its own shards: drop --shard (or run one shard per machine without --ray)")
         merged = api.label_on_ray(args.out, target=args.target, draft=args.draft, pair=args.pair, dtype=args.dtype,
                                   device=args.device, threads=args.threads, workers=args.workers,
-                                  address=args.ray_address, **run)
+                                  address=args.ray_address, shard=args.shard, **run)
         print(f"{args.out}: {merged['candidates']} candidates, {merged['problems']} problems from "
               f"{args.workers} shards")
         return
-    shard = parse_shard(args.shard) if args.shard else None
+    shard = api.check_label(shard=args.shard, **run)  # argument errors before the models load
     pair = load_pair(args, needs_draft=True)
-    records = api.label(pair, args.out, shard=shard, **run)
-    s = label_stats(records)
+    s = api.count_labels(api.label(pair, args.out, shard=shard, **run))
     print(f"{args.out}: {s['candidates']} candidates, {s['pivots']} pivots, "
           f"{s['problems_done']} problems done, {s['problems_skipped']} skipped")
 
 
 def cmd_labels_merge(args: argparse.Namespace) -> None:
-    from pivotspec.label_files import merge_labels
-
-    n = merge_labels(args.out, args.inputs, args.overwrite)
+    n = api.merge_labels(args.out, args.inputs, args.overwrite)
     print(f"{args.out}: {n['candidates']} candidates, {n['problems']} problems from {len(args.inputs)} files")
 
 
 def cmd_labels_stats(args: argparse.Namespace) -> None:
-    from pivotspec.label_files import label_stats
-    from pivotspec.store import read_records
-
-    if not args.file.is_file():
-        raise UsageError(f"labels file {str(args.file)!r} does not exist: check the path")
-    s = label_stats(read_records(args.file, repair=False))
-    if args.pair or args.target:
-        from pivotspec.classifier_training import probability_properties
-
-        pair = api.load_pair(args.target, pair=args.pair, device=args.device)
-        s["p_d"] = probability_properties(args.file, pair.target, args.classifier)
-    elif args.classifier:
-        raise UsageError("--classifier needs the target: pass --pair or --target")
+    s = api.labels_stats(args.file, pair=args.pair, target=args.target, classifier=args.classifier,
+                         device=args.device)
     if args.json:
         print(json.dumps(s))
         return

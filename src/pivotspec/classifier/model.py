@@ -1,4 +1,5 @@
-"""The pivot classifier (method.md section 3): model types, training, sigma calibration, save and load.
+"""The pivot classifier (the PAD paper, arXiv 2511.00351): model types, training, sigma calibration, save
+and load.
 
 Inputs are what the verification forward already has at each draft position: the target hidden state at
 a chosen layer (default L - 8), the target entropy and p(d), and optionally the draft's entropy and q(d).
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pivotspec.decoding.sampling import entropy
 from pivotspec.errors import UsageError
-from pivotspec.sampling import entropy
 
 TYPES = ("extended_v2", "extended", "mlp", "linear")
 # Which hidden-state row a classifier reads; recorded in classifier.json so an old model is refused.

@@ -2,7 +2,8 @@
 
 The problems are dealt round robin into N shards (``label_files.in_shard``); shard i is labeled by a
 Ray task into ``<out stem>.shard<i>of<N>.jsonl`` beside ``out``, with the very code a single process runs
-(``api.label``), so a shard file is an ordinary resumable labels file. A task whose worker dies is retried
+(the caller's ``label_shard``: ``api.label`` on a pair loaded in the worker), so a shard file is an ordinary
+resumable labels file. A task whose worker dies is retried
 by Ray and resumes from its file; when all shards are done they are merged into ``out``. Ray is the cluster
 layer (scheduling, retries, GPUs): an existing cluster (``address``) or a local one started for the run.
 """
@@ -12,23 +13,19 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pivotspec.errors import UsageError
+from pivotspec.labels.files import merge_labels
+
+# One shard in a Ray worker: (pair arguments, shard file, (i, n), label arguments) -> candidates labeled.
+ShardJob = Callable[[dict[str, Any], str, tuple[int, int], dict[str, Any]], int]
 
 
 def shard_path(out: Path, index: int, n: int) -> Path:
     return out.with_name(f"{out.stem}.shard{index}of{n}{out.suffix or '.jsonl'}")
-
-
-def _label_shard(pair_args: dict[str, Any], out: str, shard: tuple[int, int], label_args: dict[str, Any]) -> int:
-    """One shard, in a Ray worker: load the pair there (models do not travel), label, count candidates."""
-    from pivotspec import api
-
-    pair = api.load_pair(**pair_args, needs_draft=True)
-    records = api.label(pair, out, shard=shard, **label_args)
-    return sum(r.get("type") == "candidate" for r in records)
 
 
 def count_done(path: Path) -> tuple[int, int]:
@@ -61,16 +58,15 @@ def connect(address: str | None, workers: int) -> None:
         raise UsageError(f"cannot reach the Ray cluster at {address!r} ({exc}): check --ray-address") from None
 
 
-def label_on_ray(pair_args: dict[str, Any], out: Path, workers: int, label_args: dict[str, Any],
-                 address: str | None = None, max_retries: int = 3, progress: bool = True) -> dict[str, int]:
+def label_on_ray(label_shard: ShardJob, pair_args: dict[str, Any], out: Path, workers: int,
+                 label_args: dict[str, Any], address: str | None = None, max_retries: int = 3,
+                 progress: bool = True) -> dict[str, int]:
     """Label ``label_args["n_problems"]`` problems as ``workers`` shards on Ray and merge them into ``out``.
 
     Each task takes one CPU, and one GPU when the cluster has GPUs; torch in a CPU task uses one thread
     unless ``pair_args["threads"]`` says otherwise. Shard files stay beside ``out`` (a rerun resumes them);
     ``out`` itself, if it already holds labels of the same run, is merged in rather than replaced."""
     import ray
-
-    from pivotspec.label_files import merge_labels
 
     out = Path(out)  # workers >= 1 was checked by api.label_on_ray
     shards = [shard_path(out, i, workers) for i in range(workers)]
@@ -79,7 +75,7 @@ def label_on_ray(pair_args: dict[str, Any], out: Path, workers: int, label_args:
         gpus = ray.cluster_resources().get("GPU", 0) > 0
         pair_args = {**pair_args, "threads": pair_args.get("threads") or (None if gpus else 1)}
         task = ray.remote(num_cpus=1, num_gpus=1 if gpus else 0, max_retries=max_retries,
-                          retry_exceptions=False)(_label_shard)
+                          retry_exceptions=False)(label_shard)
         refs = [task.remote(pair_args, str(path), (i, workers), label_args) for i, path in enumerate(shards)]
         total, pending, started = label_args.get("n_problems", 50), refs, time.perf_counter()
         while pending:

@@ -9,22 +9,28 @@ rerun of the same command resumes after the rows already there.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
-import statistics
 import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pivotspec.classifier.model import CONFIG, WEIGHTS
+from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR, PAD
+from pivotspec.decoding.baselines import label as baseline_label
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.models import LM, eos_ids
+from pivotspec.decoding.sampling import SamplingConfig
 from pivotspec.errors import UsageError
-
-if TYPE_CHECKING:
-    from pivotspec.models import LM
-    from pivotspec.tasks import Problem, Task
+from pivotspec.evaluation.reports import write_reports
+from pivotspec.evaluation.summary import summarize
+from pivotspec.policies import make_policy
+from pivotspec.store import append_record, open_for_append, read_records
+from pivotspec.tasks import Problem, Task, encode_problem
 
 
 @dataclass
@@ -33,17 +39,6 @@ class MethodSpec:
     method: str  # ar | draft | sd | pad (baselines run as "pad" with their own policy)
     policy: Any = None
     gamma: int | None = None  # draft tokens per step for this method only (None: the run's --gamma)
-
-
-def wilson_ci(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval for a proportion (sane at 0% and 100%, unlike the normal approximation)."""
-    if n == 0:
-        return (0.0, 1.0)
-    phat = successes / n
-    denom = 1 + z * z / n
-    centre = (phat + z * z / (2 * n)) / denom
-    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], target: LM | None, draft: LM | None, *,
@@ -55,9 +50,6 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
     Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists. With ``warmup``,
     every method first decodes the first problem still to do once, untimed and unrecorded; the method
     order then rotates by one per problem."""
-    from pivotspec.decoding import decode
-    from pivotspec.models import eos_ids
-    from pivotspec.tasks import encode_problem
 
     lm = target or draft
     stop_ids = eos_ids(lm)
@@ -90,96 +82,23 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
     return rows
 
 
-def _quartiles(values: list[float]) -> list[float]:
-    if len(values) < 2:
-        return [values[0], values[0]] if values else [float("nan")] * 2
-    q = statistics.quantiles(values, n=4)
-    return [q[0], q[2]]
-
-
-def mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact McNemar p-value: of the b + c problems where exactly one of two methods is right,
-    is the split b : c more uneven than a fair coin's?"""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n
-    return min(1.0, 2 * tail)
-
-
-def paired_comparison(rows: list[dict[str, Any]], method: str, reference: str) -> dict[str, Any] | None:
-    """Accuracy of ``method`` against ``reference`` on the problems both ran: the difference, the
-    discordant counts (b: only method right, c: only reference right) and the exact McNemar p-value."""
-    ref = {r["problem_id"]: r["score"] for r in rows if r["method"] == reference}
-    mine = {r["problem_id"]: r["score"] for r in rows if r["method"] == method and r["problem_id"] in ref}
-    if not mine:
-        return None
-    b = sum(1 for p, s in mine.items() if s > 0.5 >= ref[p])
-    c = sum(1 for p, s in mine.items() if ref[p] > 0.5 >= s)
-    diff = (sum(mine.values()) - sum(ref[p] for p in mine)) / len(mine)
-    return {"reference": reference, "n": len(mine), "diff": diff, "only_method": b, "only_reference": c,
-            "p_mcnemar": mcnemar_exact(b, c)}
-
-
-def summarize(rows: list[dict[str, Any]], baseline: str = "ar",
-              references: tuple[str, ...] = ("ar", "sd")) -> dict[str, dict[str, Any]]:
-    """Aggregate rows per method; ratios of sums, so long completions weigh by their length. Each method's
-    accuracy is also compared, paired by problem, with each of ``references`` that ran."""
-    out: dict[str, dict[str, Any]] = {}
-    base_wall = {r["problem_id"]: r["stats"]["wall_s"] for r in rows if r["method"] == baseline}
-    for label in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == label]
-        n = len(mine)
-        tokens = sum(r["stats"]["new_tokens"] for r in mine)
-        wall = sum(r["stats"]["wall_s"] for r in mine)
-        fwd = sum(r["stats"]["target_forwards"] for r in mine)
-        drafted = sum(r["stats"]["drafted"] for r in mine)
-        kept = sum(r["stats"]["accepted"] + r["stats"]["overridden"] for r in mine)
-        correct = sum(r["score"] for r in mine)
-        ratios = [base_wall[r["problem_id"]] / r["stats"]["wall_s"] for r in mine
-                  if r["problem_id"] in base_wall and r["stats"]["wall_s"] > 0]
-        paired = [r for r in mine if r["problem_id"] in base_wall]
-        out[label] = {
-            "n": n,
-            "accuracy": correct / n,
-            "ci95": list(wilson_ci(correct, n)),
-            "tau": tokens / fwd if fwd else None,
-            "eta": kept / drafted if drafted else None,
-            "target_forwards_per_token": fwd / tokens if tokens else None,
-            "ms_per_token": 1000 * wall / tokens if tokens else None,
-            "wall_s": wall,
-            "new_tokens": tokens,
-            "speedup": (sum(base_wall[r["problem_id"]] for r in paired) / sum(r["stats"]["wall_s"] for r in paired)
-                        if paired and base_wall else None),
-            "speedup_median": statistics.median(ratios) if ratios else None,
-            "speedup_iqr": _quartiles(ratios) if ratios else None,
-            "paired": {ref: paired_comparison(rows, label, ref) for ref in references if ref != label
-                       and any(r["method"] == ref for r in rows)},
-        }
-    return out
-
-
 def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] | None = None,
                  baselines: list[str] = (), classifier: str | None = None, sigma: float | None = None,
-                 tau: float = 1e-4, pair: str | None = None) -> list[MethodSpec]:
+                 p_floor: float = DEFAULT_P_FLOOR, pair: str | None = None) -> list[MethodSpec]:
     """ar/draft/sd as named; one pad per sigma (default: the classifier's calibrated one); one policy per
-    baseline spec. With ``target=None`` only the arguments are checked (policies are None)."""
-    from pivotspec.acceptance import DEFAULT_TAU
-    from pivotspec.baselines import label as baseline_label
-    from pivotspec.baselines import make_baseline
-    from pivotspec.policies import make_policy
-
-    # A non-default tau is part of the label, and so of the run's identity: resuming a run at another tau
-    # must not reuse its rows, and two taus must not share a row of the summary.
-    tau_tag = f" tau={tau:g}" if tau != DEFAULT_TAU else ""
+    baseline spec. With ``target=None`` only the arguments are checked (pad policies are None)."""
+    # A non-default floor is part of the label, and so of the run's identity: resuming a run at another floor
+    # must not reuse its rows, and two floors must not share a row of the summary. The label keeps the
+    # paper's name for it, "tau=", so that runs recorded before the floor got its own name still resume.
+    floor_tag = f" tau={p_floor:g}" if p_floor != DEFAULT_P_FLOOR else ""
     specs = []
     for m in [m.strip() for m in methods.split(",") if m.strip()]:
         for sig in (sigmas or [sigma]) if m == "pad" else [None]:
-            policy = make_policy(m, target, classifier=classifier, sigma=sig, tau=tau, pair=pair)
-            label = f"pad@{policy.sigma:g}{tau_tag}" if m == "pad" and policy is not None else m
+            policy = make_policy(m, target, classifier=classifier, sigma=sig, p_floor=p_floor, pair=pair)
+            label = f"pad@{policy.sigma:g}{floor_tag}" if m == "pad" and policy is not None else m
             specs.append(MethodSpec(label, m, policy))
     for spec in baselines:
-        policy = make_baseline(spec)
+        policy = make_policy(spec)
         specs.append(MethodSpec(baseline_label(policy), "pad", policy))
     if not specs:
         raise UsageError("--methods is empty: give e.g. ar,sd")
@@ -187,8 +106,6 @@ def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] 
 
 
 def run_hash(config: dict[str, Any]) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -196,8 +113,6 @@ def open_run(out: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
     """Check ``out`` (whose results.jsonl the caller holds open and locked) against ``config`` and record
     it; returns the rows of an earlier run of the same configuration. Each row carries the hash of its run's
     configuration, so rows of another run are refused even when run.json is gone."""
-    from pivotspec.store import read_records
-
     run_file, results = out / "run.json", out / "results.jsonl"
     if run_file.is_file() and results.stat().st_size > 0:  # --overwrite has already emptied results.jsonl
         earlier = json.loads(run_file.read_text())
@@ -218,16 +133,10 @@ def open_run(out: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
 def classifier_fingerprint(clf: str | None, specs: list[MethodSpec]) -> str | None:
     """What the PAD runs were scored with, so resuming a run after the classifier was retrained is refused
     instead of mixing rows from two classifiers."""
-    import hashlib
-
-    from pivotspec.acceptance import PAD
-
     if not clf or not any(isinstance(s.policy, PAD) for s in specs):
         return None
     if clf.startswith("const:"):
         return clf
-    from pivotspec.classifier import CONFIG, WEIGHTS
-
     digest = hashlib.sha256()
     for name in (CONFIG, WEIGHTS):  # only the classifier's own files: plots or subdirectories may sit beside them
         digest.update(name.encode() + (Path(clf) / name).read_bytes())
@@ -269,9 +178,6 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
              between: Callable[[int, int], None] | None = None) -> dict[str, dict[str, Any]]:
     """Run (or resume) the evaluation; with ``settings.out`` also write results, summaries, plot and report.
     ``between(done, total)`` runs after each problem, outside any timed decode."""
-    from pivotspec.sampling import SamplingConfig
-    from pivotspec.store import append_record, open_for_append
-
     st = settings
     config = {"task": st.task, "data": str(st.data) if st.data else None, "split": st.split, "n": st.n,
               "seed": st.seed, "methods": [s.label for s in specs], "gamma": st.gamma,
@@ -305,7 +211,5 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
     rows = [r for r in earlier if r["problem_id"] in wanted] + rows
     summary = summarize(rows)
     if st.out:
-        from pivotspec.reports import write_reports
-
         write_reports(st.out, rows, summary, problems, config)
     return summary

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from pivotspec.acceptance import Lossless, Verification
-from pivotspec.drafting import fit_vocab, propose
+from pivotspec.decoding.acceptance import Lossless, Verification
+from pivotspec.decoding.drafting import Proposal, fit_vocab, propose
+from pivotspec.decoding.models import LM
+from pivotspec.decoding.sampling import SamplingConfig, argmax, logits_to_probs, residual, sample
 from pivotspec.errors import UsageError
-from pivotspec.models import LM
-from pivotspec.sampling import SamplingConfig, argmax, logits_to_probs, residual, sample
 
 SOURCES = ("accepted", "override", "corrected", "bonus", "target")
 STAT_COUNTS = ("target_forwards", "draft_forwards", "drafted", *SOURCES)
@@ -46,7 +46,6 @@ def finish_stats(stats: dict[str, Any], new_tokens: int, wall_s: float) -> dict[
     """Derived stats. tau = tokens per target forward (bonus included; None for draft-only);
     eta = draft tokens kept (by SD or by the override) / draft tokens proposed."""
     stats["new_tokens"] = new_tokens
-    stats["overridden"] = stats["override"]
     stats["wall_s"] = wall_s
     stats["tau"] = new_tokens / stats["target_forwards"] if stats["target_forwards"] else None
     kept = stats["accepted"] + stats["override"]
@@ -76,6 +75,55 @@ class _Stopper:
         return None
 
 
+def _check_fits(prompt_ids: list[int], max_new_tokens: int, *models: LM | None) -> None:
+    if not prompt_ids:
+        raise UsageError("the prompt is empty (no tokens): give a non-empty prompt")
+    for m in models:
+        limit = m.max_positions if m is not None else None
+        if limit and len(prompt_ids) + max_new_tokens > limit:
+            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
+                             f"{limit} positions of model {m.name!r}: shorten the prompt or lower --max-new-tokens")
+
+
+def prefill(models: list[LM], prompt_ids: list[int]) -> None:
+    """Fill each model's cache with everything but the last prompt token: each step then feeds
+    [last token, drafts...], so the first step's target forward already yields p_1."""
+    for m in models:
+        m.reset()
+        if len(prompt_ids) > 1:
+            m.forward(prompt_ids[:-1], keep_logits=0)
+
+
+def verify(proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor | None, policy: Any,
+           cfg: SamplingConfig, generator: torch.Generator) -> tuple[Verification, torch.Tensor]:
+    """The verification of one step's drafts and which of them are kept (``sd_ok | override``, as a bool
+    mask over the drafts; the caller keeps its longest all-True prefix)."""
+    d = torch.tensor(proposal.tokens, device=logits.device)
+    u = None if cfg.greedy else torch.rand(len(d), generator=generator, device=logits.device)
+    v = Verification(d, logits, proposal.full_logits, cfg, hidden, q=proposal.q, u=u)
+    return v, v.sd_ok | (policy.override(v) & ~v.sd_ok)
+
+
+def next_token(logits: torch.Tensor, v: Verification | None, n_kept: int, cfg: SamplingConfig,
+               generator: torch.Generator, residual_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> int:
+    """The token after the kept drafts: the correction at the first rejected draft (greedy: the target's
+    argmax; sampling: a draw from the SD residual), or the bonus token from p_{n+1} when all were kept."""
+    if cfg.greedy:
+        return int(argmax(logits[n_kept]))
+    p = v.p if v is not None else logits_to_probs(logits, cfg)
+    rejected = v is not None and n_kept < len(v.draft_tokens)
+    probs = residual_fn(p[n_kept], v.q[n_kept]) if rejected else p[n_kept]
+    return int(sample(probs[None], generator)[0])
+
+
+def step_tokens(drafts: list[int], v: Verification | None, n_kept: int, token: int,
+                has_draft: bool) -> list[tuple[int, str]]:
+    """(token id, source) of what one step emits: the kept drafts, then the correction or bonus token."""
+    emitted = [(drafts[i], "accepted" if v.sd_ok[i] else "override") for i in range(n_kept)]
+    source = "corrected" if n_kept < len(drafts) else ("bonus" if has_draft else "target")
+    return emitted + [(token, source)]
+
+
 def generate(
     target: LM,
     prompt_ids: list[int],
@@ -94,14 +142,11 @@ def generate(
     """Decode from ``prompt_ids``. ``draft=None`` is plain decoding with ``target``; otherwise speculative
     decoding with ``policy`` (default: lossless). ``on_step`` receives each step's emitted (token id, source)
     pairs as soon as they exist (streaming) and stops the decode, with stop reason "cancelled", by returning
-    False. ``residual_fn`` is injectable for tests only."""
-    if not prompt_ids:
-        raise UsageError("the prompt is empty (no tokens): give a non-empty prompt")
-    for m in (target, draft):
-        limit = m.max_positions if m is not None else None
-        if limit and len(prompt_ids) + max_new_tokens > limit:
-            raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max new tokens ({max_new_tokens}) exceeds the "
-                             f"{limit} positions of model {m.name!r}: shorten the prompt or lower --max-new-tokens")
+    False. ``residual_fn`` is injectable for tests only.
+
+    Each step: propose (the draft), one target forward, verify (lossless rule + policy), the next token
+    (correction or bonus), emit (stop checks per token)."""
+    _check_fits(prompt_ids, max_new_tokens, target, draft)
     policy = policy or Lossless()
     cfg = cfg or SamplingConfig()
     generator = torch.Generator(device=target.device).manual_seed(seed)  # draws happen where the logits are
@@ -110,12 +155,7 @@ def generate(
     models = [m for m in (target, draft) if m is not None]
     start = time.perf_counter()
     forward_before = sum(m.forward_s for m in models)
-
-    # Prefill everything but the last prompt token: each step then feeds [last token, drafts...].
-    for m in models:
-        m.reset()
-        if len(prompt_ids) > 1:
-            m.forward(prompt_ids[:-1], keep_logits=0)
+    prefill(models, prompt_ids)
     stats["prefill_s"] = time.perf_counter() - start
     forward_before_loop = sum(m.forward_s for m in models)
 
@@ -123,8 +163,7 @@ def generate(
     stop = None
     while stop is None and len(new) < max_new_tokens:
         t0 = time.perf_counter()
-        budget = max_new_tokens - len(new)
-        g = min(gamma, budget - 1) if draft is not None else 0  # no point drafting past the budget
+        g = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0  # no drafting past the budget
         proposal = propose(draft, seq, g, cfg, generator, target.vocab_size, stopper.eos) if g > 0 else None
         drafts = proposal.tokens if proposal else []
         t1 = time.perf_counter()
@@ -139,35 +178,15 @@ def generate(
         stats["draft_forwards"] += len(drafts)
         stats["drafted"] += len(drafts)
 
-        emitted: list[tuple[int, str]] = []
-        n_kept = 0
-        v = None
+        v, n_kept = None, 0
         if drafts:
-            d = torch.tensor(drafts, device=logits.device)
-            v = Verification(d, logits, proposal.full_logits, cfg, hidden, q=proposal.q)
-            if cfg.greedy:
-                v.sd_ok = argmax(logits[: len(drafts)]) == d
-            else:
-                v.u = torch.rand(len(drafts), generator=generator, device=logits.device)
-                v.sd_ok = v.u * v.draft_prob(v.q) <= v.draft_prob(v.p)
-            override = policy.override(v) & ~v.sd_ok
+            v, kept = verify(proposal, logits, hidden, policy, cfg, generator)
             stats["policy_s"] += time.perf_counter() - t2
-            kept = v.sd_ok | override
             n_kept = int(kept.long().cumprod(0).sum())
-            emitted = [(drafts[i], "accepted" if v.sd_ok[i] else "override") for i in range(n_kept)]
-        if cfg.greedy:
-            token = int(argmax(logits[n_kept]))
-        else:
-            p = v.p if v is not None else logits_to_probs(logits, cfg)
-            probs = residual_fn(p[n_kept], v.q[n_kept]) if n_kept < len(drafts) else p[n_kept]
-            token = int(sample(probs[None], generator)[0])
-        if n_kept < len(drafts):
-            emitted.append((token, "corrected"))
-        else:
-            emitted.append((token, "bonus" if draft is not None else "target"))
+        last = next_token(logits, v, n_kept, cfg, generator, residual_fn)
 
         step_start = len(trace)
-        for token, source in emitted:
+        for token, source in step_tokens(drafts, v, n_kept, last, draft is not None):
             seq.append(token)
             new.append(token)
             trace.append((token, source))
@@ -187,7 +206,7 @@ def generate(
     return Generation(new, text, finish_stats(stats, len(new), wall), trace)
 
 
-METHODS = ("ar", "draft", "sd", "pad")
+METHODS = ("ar", "draft", "sd", "pad")  # what ``decode`` runs; PAD and the baselines differ only by policy
 
 
 def decode(method: str, target: LM | None, draft: LM | None, prompt_ids: list[int], policy: Any = None,

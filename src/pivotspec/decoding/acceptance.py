@@ -14,8 +14,8 @@ from functools import cached_property
 
 import torch
 
+from pivotspec.decoding.sampling import SamplingConfig, argmax, logits_to_probs
 from pivotspec.errors import UsageError
-from pivotspec.sampling import SamplingConfig, logits_to_probs
 
 # reads one verification step, returns each draft token's pivot probability [g]
 Classifier = Callable[["Verification"], torch.Tensor]
@@ -30,7 +30,7 @@ class Verification:
 
     def __init__(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor,
                  draft_logits: torch.Tensor | Callable[[], torch.Tensor], cfg: SamplingConfig,
-                 hidden: torch.Tensor | None = None, q: torch.Tensor | None = None):
+                 hidden: torch.Tensor | None = None, q: torch.Tensor | None = None, u: torch.Tensor | None = None):
         self.draft_tokens = draft_tokens  # [g] token ids
         self.target_logits = target_logits  # [g + 1, V]
         self._draft_logits = draft_logits  # [g, V], or a function that builds them on first use
@@ -38,9 +38,14 @@ class Verification:
         self.hidden = hidden  # [g + 1, d] target hidden states of the rows [last, d_1 .. d_g] (row i holds d_i)
         if q is not None:
             self.__dict__["q"] = q  # the sampler already computed the draft distributions
-        # the lossless rule's decision
-        self.sd_ok = torch.zeros(draft_tokens.shape[0], dtype=torch.bool, device=draft_tokens.device)
-        self.u: torch.Tensor | None = None  # sampling: the uniforms SD compared p/q against
+        self.u = u  # sampling: [g] uniforms, one per draft token, that SD compares p/q against
+
+    @cached_property
+    def sd_ok(self) -> torch.Tensor:
+        """[g] the lossless rule's decision: greedy, the draft token is the target's argmax; sampling, u <= p/q."""
+        if self.cfg.greedy:
+            return argmax(self.target_logits[: self.draft_tokens.shape[0]]) == self.draft_tokens
+        return self.u * self.draft_prob(self.q) <= self.draft_prob(self.p)
 
     @cached_property
     def draft_logits(self) -> torch.Tensor:
@@ -84,31 +89,32 @@ class Lossless:
         return torch.zeros_like(v.sd_ok)
 
 
-# The paper's floor on an override's target probability (method.md section 4).
-DEFAULT_TAU = 1e-4
+# The paper's floor on an override's target probability (arXiv 2511.00351, where it is called tau; here
+# tau is only ever tokens per target forward).
+DEFAULT_P_FLOOR = 1e-4
 
 
 @dataclass
 class PAD:
-    """Pivot-aware acceptance (method.md section 4): keep a token SD rejected when the classifier's pivot
-    probability is <= sigma and the target gives it probability >= tau.
+    """Pivot-aware acceptance (arXiv 2511.00351): keep a token SD rejected when the classifier's pivot
+    probability is <= sigma and the target gives it probability >= p_floor.
 
     sigma = 0 turns the override off, so PAD(sigma=0) is exactly SD even for a classifier that outputs 0.
-    The tau floor guards overrides only: applying it to tokens SD accepts would break exactness at
-    sigma = 0 under sampling, where SD may legitimately accept a token with p < tau.
+    The floor guards overrides only: applying it to tokens SD accepts would break exactness at
+    sigma = 0 under sampling, where SD may legitimately accept a token with p < p_floor.
     """
 
     classifier: Classifier
     sigma: float
-    tau: float = DEFAULT_TAU
+    p_floor: float = DEFAULT_P_FLOOR
     hidden_layer: int | None = None
     name: str = "pad"
 
     def __post_init__(self) -> None:
         if not 0 <= self.sigma <= 1:
             raise UsageError(f"sigma must be in [0, 1], got {self.sigma}")
-        if not 0 <= self.tau <= 1:
-            raise UsageError(f"tau must be in [0, 1], got {self.tau}")
+        if not 0 <= self.p_floor <= 1:
+            raise UsageError(f"p_floor must be in [0, 1], got {self.p_floor}")
 
     def scores(self, v: Verification) -> torch.Tensor:
         g = v.draft_tokens.shape[0]
@@ -117,7 +123,7 @@ class PAD:
     def override(self, v: Verification) -> torch.Tensor:
         if self.sigma <= 0:
             return torch.zeros_like(v.sd_ok)
-        return (self.scores(v) <= self.sigma) & (v.draft_prob(v.p) >= self.tau)
+        return (self.scores(v) <= self.sigma) & (v.draft_prob(v.p) >= self.p_floor)
 
 
 def constant_classifier(score: float) -> Classifier:

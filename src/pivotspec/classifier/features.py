@@ -12,9 +12,9 @@ import json
 
 import torch
 
-from pivotspec.drafting import fit_vocab
+from pivotspec.decoding.drafting import fit_vocab
+from pivotspec.decoding.models import LM, cache_dir, file_digest
 from pivotspec.errors import UsageError
-from pivotspec.models import LM, cache_dir, file_digest
 
 # Bumped whenever what a feature means changes, so no cached file of an older meaning is read back.
 # 2: the hidden state at d's own row (1 read the row that predicts d).
@@ -52,7 +52,7 @@ def _model_features(target: LM, cands: list[dict], layer: int | None,
     ``classifier.model_inputs`` turns into inputs exactly as it does for a verification forward. Candidates
     of one problem lie on one walked trajectory, so taken in step order each advance reuses the cache and
     feeds only the tokens since the previous candidate (rolling back a d the walk did not follow)."""
-    from pivotspec.classifier import model_inputs
+    from pivotspec.classifier.model import model_inputs
 
     kind = "extended" if draft is not None else "extended_v2"
     hidden = [None] * len(cands)

@@ -1,15 +1,16 @@
 """What every ``pivotspec`` subcommand's parser shares: the parser class with one-line errors, the model,
-decoding and chat-template flags, and resolving those flags into models and a task."""
+decoding and chat-template flags, and turning those flags into API calls (models, a task, a policy)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from typing import Any
 
 from pivotspec import api
 from pivotspec.errors import UsageError
-from pivotspec.models import PAIRS
 
 SPLITS = "train, validation or test (arith, arith-hard); test (humaneval, gsm8k, mbpp, jsonl: the file's rows)"
 TASK_NAMES = "arith, arith-hard, humaneval, gsm8k, mbpp or jsonl (default: the --pair's task, else arith)"
@@ -34,6 +35,30 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
+class OldFlag(argparse.Action):
+    """A renamed flag that still works: stores into the new flag's place and says the new name once."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"pivotspec: note: {option_string} is now {self.new} (the old flag still works)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    """'0.3,0.5' -> [0.3, 0.5]; anything else is a one-line error naming the flag."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    if not values or not all(math.isfinite(v) for v in values):
+        raise UsageError(f"{what} must be comma-separated finite numbers, got {text!r}")
+    return values
+
+
 def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -48,7 +73,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", help="target model: registered name, HF directory, .gguf file or cached hub id")
     g.add_argument("--draft", help="draft model sharing the target's tokenizer")
-    g.add_argument("--pair", choices=sorted(PAIRS), help="shorthand for a registered target/draft pair (its task is "
+    g.add_argument("--pair", choices=api.pair_names(), help="shorthand for a registered target/draft pair (its task is "
                    "then the default --task)")
     g.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: $PIVOTSPEC_DEVICE, else "
                    "auto: CUDA if available, else CPU)")
@@ -75,8 +100,11 @@ def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> 
     g.add_argument("--sigma", type=float, default=None,
                    help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
                    "0.5 for const:)")
-    g.add_argument("--tau", type=float, default=1e-4,
-                   help="PAD: overrides need target prob >= tau (eval labels a non-default tau: pad@0.1 tau=0.01)")
+    g.add_argument("--p-floor", type=float, default=api.DEFAULT_P_FLOOR,
+                   help="PAD: an override needs the target's probability of the token >= this (the paper's tau; eval "
+                   "labels a non-default floor as pad@0.1 tau=0.01)")
+    g.add_argument("--tau", type=float, dest="p_floor", action=OldFlag, new="--p-floor",
+                   help="the old name of --p-floor, still accepted")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; default: none)")
     add_chat_args(p)
 
@@ -88,7 +116,9 @@ def load_pair(args: argparse.Namespace, needs_draft: bool) -> api.Pair:
 
 def task_name(args: argparse.Namespace) -> str:
     """--task, else the task the --pair was trained for, else arith."""
-    if args.task:
-        return args.task
-    pair = PAIRS.get(args.pair) if args.pair else None
-    return pair.task if pair is not None and pair.task else "arith"
+    return api.task_for(args.task, args.pair)
+
+
+def policy_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The PAD flags as the API's keywords."""
+    return {"classifier": args.classifier, "sigma": args.sigma, "p_floor": args.p_floor}

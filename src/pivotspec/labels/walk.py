@@ -1,4 +1,4 @@
-"""Pivot labels by Monte-Carlo rollouts of the target (method.md section 2).
+"""Pivot labels by Monte-Carlo rollouts of the target (the PAD paper, arXiv 2511.00351).
 
 Walk a greedy trajectory with target and draft side by side; where they disagree (draft token d, target
 token t) SD would reject d, so it is a *candidate*. Sample N target continuations after d and N after t,
@@ -15,17 +15,16 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from pivotspec.decoding.models import LM, eos_ids
+from pivotspec.decoding.sampling import SamplingConfig, argmax
 from pivotspec.errors import UsageError
-from pivotspec.models import LM
-from pivotspec.rollouts import ENGINES, RolloutEngine, RolloutRequest, make_engine
-from pivotspec.sampling import SamplingConfig, argmax
-
-if TYPE_CHECKING:
-    from pivotspec.tasks import Problem, Task
+from pivotspec.labels.rollouts import ENGINES, RolloutEngine, RolloutRequest, make_engine
+from pivotspec.store import append_record, open_for_append, read_records
+from pivotspec.tasks import Problem, Task, encode_problem, encode_prompt
 
 MODES = ("mul", "add", "abs")
 IDENTITY = ("task", "config", "target", "draft", "judge")  # what a labels file is made with: one per file
@@ -50,9 +49,8 @@ class LabelConfig:
             raise UsageError(f"--rollouts must be >= 1, got {self.rollouts}")
         if self.mode not in MODES:
             raise UsageError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        lo, hi = {"mul": (0.0, 1.0), "add": (0.0, 1.0), "abs": (0.0, 1.0)}[self.mode]
-        if not lo < self.alpha <= hi:
-            raise UsageError(f"--alpha must be in ({lo}, {hi}] for --mode {self.mode}, got {self.alpha}")
+        if not 0 < self.alpha <= 1:
+            raise UsageError(f"--alpha must be in (0, 1], got {self.alpha}")
         if self.follow not in ("label", "target"):
             raise UsageError(f"--follow must be 'label' or 'target', got {self.follow!r}")
         if self.max_rollout_tokens < 1 or self.max_walk_tokens < 1:
@@ -130,8 +128,6 @@ def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Label
     run (by step) that are reused instead of rolled out again. A generator: it yields each rollout request
     and is sent back the continuations, so a driver can batch the requests of several walks (``run_walks``).
     Returns the problem's summary record."""
-    from pivotspec.tasks import encode_problem
-
     prompt = encode_problem(target.tokenizer, problem, True, chat_template_kwargs)
     summary = {"type": "problem", "problem_id": problem.id, **base}
     if cfg.min_target_rate >= 0:
@@ -238,11 +234,9 @@ def run_walks(walks: Iterator[Generator[RolloutRequest, list[list[int]], dict]],
 
 
 def make_judge(judge: LM, task: Task, target_tokenizer: Any) -> Callable[..., bool]:
-    """A soundness check (method.md section 2, step 5) with a local model: it reads the median-length
+    """A soundness check (the authors' optional judge) with a local model: it reads the median-length
     correct rollout after d and answers Yes/No to "is every step correct?". It can only flip a non-pivot
     to a pivot. The authors used a hosted model here; any local HF causal LM works, quality varies."""
-    from pivotspec.tasks import encode_prompt
-
     yes = judge.tokenizer("Yes", add_special_tokens=False).input_ids[0]
     no = judge.tokenizer("No", add_special_tokens=False).input_ids[0]
 
@@ -290,10 +284,6 @@ def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg
     locked for the run, so a second labeler on the same file stops with a one-line error. ``concurrency``
     walks run side by side with their rollouts in one batch (faster; with 1, a run reproduces bit for bit
     whatever the sharding, since no candidate's rollouts share a batch with another's)."""
-    from pivotspec.store import open_for_append
-
-    if concurrency < 1:
-        raise UsageError(f"--concurrency must be >= 1, got {concurrency}")
     with open_for_append(out, overwrite) as fh:
         return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, fh,
                              chat_template_kwargs, concurrency)
@@ -302,9 +292,6 @@ def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg
 def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
                   judge: LM | None, split: str, progress: bool, fh: Any,
                   chat_template_kwargs: dict[str, Any] | None = None, concurrency: int = 1) -> list[dict]:
-    from pivotspec.models import eos_ids
-    from pivotspec.store import append_record, read_records
-
     base = {"task": task.name, "split": split, "config": cfg.as_dict(), "target": model_identity(target),
             "draft": model_identity(draft), "judge": judge.name if judge else None}
     existing = read_records(out)

@@ -1,0 +1,5 @@
+import sys
+
+from pivotspec.cli.main import main
+
+sys.exit(main())
