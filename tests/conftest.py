@@ -10,6 +10,9 @@ import torch
 
 # The whole suite runs on one device: PIVOTSPEC_TEST_DEVICE (default cpu), e.g. cuda on a GPU machine.
 os.environ["PIVOTSPEC_DEVICE"] = os.environ.get("PIVOTSPEC_TEST_DEVICE", "cpu")
+# Under pytest-xdist each worker computes with one thread: two workers on two cores, not four threads fighting.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 WORDS = ["<unk>", "</s>"] + [f"w{i}" for i in range(30)]
 

@@ -157,6 +157,8 @@ def test_resume_refuses_a_different_configuration(pair, tmp_path):
     recs = run_labeling(*pair, task, task.problems("train", 1), cfg, out, overwrite=True, progress=False)
     fresh = run_labeling(*pair, task, task.problems("train", 1), cfg, tmp_path / "fresh.jsonl", progress=False)
     assert without_timing(recs) == without_timing(fresh)  # nothing of the first run is left in the file
+    cands = [r for r in recs if r["type"] == "candidate"]
+    assert cands and all(r["label"] == is_pivot(r["u_acc"], r["u_rej"], "mul", 0.9) for r in cands)
 
 
 def test_truncated_file_repair_and_malformed_middle_line(tmp_path):

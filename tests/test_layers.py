@@ -140,3 +140,21 @@ def test_benchmarks_call_the_api_only():
             if dep not in API and not dep.startswith("pivotspec.server") and not inside:
                 bypasses.append(f"{f.name} imports {dep}")
     assert not bypasses, bypasses
+
+
+def test_old_module_paths_still_import_and_name_the_new_one():
+    import importlib
+    import sys
+    import warnings
+
+    from pivotspec.decoding import acceptance, baselines
+
+    for old, new in [("pivotspec.acceptance", acceptance), ("pivotspec.baselines", baselines)]:
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is new and any(new.__name__ in str(w.message) for w in caught)
+    from pivotspec.baselines import make_baseline  # the README of 0.1 showed this import
+
+    assert make_baseline is baselines.make_baseline
