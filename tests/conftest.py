@@ -14,6 +14,18 @@ os.environ["PIVOTSPEC_DEVICE"] = os.environ.get("PIVOTSPEC_TEST_DEVICE", "cpu")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+def pytest_collection_modifyitems(items):
+    """Slow tests first, the longest (``slow(seconds=...)``) at the very front. Under pytest-xdist's
+    ``--dist loadfile`` a file goes to a worker when its first test comes up, so the files holding the vLLM
+    and Ray tests start at once on their own workers and the short files fill in around them, instead of a
+    long test starting last and running alone."""
+    def cost(item):
+        mark = item.get_closest_marker("slow")
+        return -(mark.kwargs.get("seconds", 1) if mark else 0)
+
+    items.sort(key=cost)
+
+
 WORDS = ["<unk>", "</s>"] + [f"w{i}" for i in range(30)]
 
 

@@ -71,6 +71,7 @@ def shard_workers() -> list[int]:
     return pids
 
 
+@pytest.mark.slow(seconds=110)
 def test_a_killed_worker_is_retried_and_resumes_its_shard(tmp_path):
     """SIGKILL one worker in the middle of its shard: Ray retries the task, the new worker resumes from the
     shard file, and the merged labels equal those of an uninterrupted single-process run."""

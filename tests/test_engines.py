@@ -133,7 +133,7 @@ needs_vllm = pytest.mark.skipif(not os.environ.get("PIVOTSPEC_REQUIRE_VLLM") and
                                 reason="no vLLM environment (./install.sh --with-vllm, PIVOTSPEC_VLLM_PYTHON)")
 
 
-@pytest.mark.slow  # starts vLLM and loads the testbed pair
+@pytest.mark.slow(seconds=250)  # starts vLLM and loads the testbed pair
 @needs_vllm
 def test_torch_and_vllm_labels_agree_within_binomial_noise(tmp_path, monkeypatch, capsys):
     """The same candidates (the walk follows the target, so it does not depend on labels) labeled by both
