@@ -40,7 +40,6 @@ __all__ = ["CLASSIFIER_TYPES", "DEFAULT_P_FLOOR", "METHODS", "EvalSettings", "Ge
 @dataclass
 class Pair:
     """A target, optionally a draft sharing its tokenizer, and the registered pair name they came from."""
-
     target: LM
     draft: LM | None = None
     name: str | None = None  # e.g. "testbed": lets PAD find the pair's shipped classifier
@@ -50,13 +49,11 @@ class Pair:
 
 def pair_names() -> list[str]:
     """The registered pairs (``testbed``, ``testbed-hard``, ...)."""
-
     return sorted(PAIRS)
 
 
 def pair_task(pair: str | None) -> str | None:
     """The task a registered pair was trained for (None for pairs without one, or no pair)."""
-
     registered = PAIRS.get(pair or "")
     return registered.task if registered else None
 
@@ -68,14 +65,12 @@ def task_for(task: str | None, pair: str | None) -> str:
 
 def default_classifier(pair: str | None) -> str | None:
     """The pivot classifier shipped with a registered pair, if any."""
-
     return policies.default_classifier(pair)
 
 
 def resolve_names(target: str | None, draft: str | None, pair: str | None,
                   needs_draft: bool = False) -> tuple[str, str | None]:
     """Model specs from explicit names and/or a registered pair name (explicit names win)."""
-
     if pair is not None:
         if pair not in PAIRS:
             raise UsageError(f"unknown pair {pair!r}: choose one of {', '.join(sorted(PAIRS))}")
@@ -93,7 +88,6 @@ def load_pair(target: str | None = None, draft: str | None = None, *, pair: str 
     """Load a target (and draft) once onto ``device`` (default auto: CUDA when available, else CPU); ``dtype``
     defaults to bfloat16 on CUDA, float32 elsewhere (``draft_dtype``: the draft's, default ``dtype``). A draft
     must share the target's tokenizer (checked)."""
-
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     target_name, draft_name = resolve_names(target, draft, pair, needs_draft)
@@ -131,7 +125,6 @@ def stop_ids(lm: LM) -> set[int]:
 def check_decoding(gamma: int = 5, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                    top_p: float = 1.0, stop: list[str] | None = None) -> None:
     """Decoding settings that cannot work, as one-line errors (before any model loads)."""
-
     if gamma < 1:
         raise UsageError(f"--gamma must be >= 1, got {gamma}")
     if max_new_tokens < 1:
@@ -144,7 +137,6 @@ def check_decoding(gamma: int = 5, max_new_tokens: int = 128, temperature: float
 def decode_method(method: str) -> str:
     """What the loop runs for ``method``: ar, draft, sd and pad as named; a baseline spec runs as pad (SD with
     an override policy)."""
-
     return "pad" if policies.is_baseline(method) else method
 
 
@@ -153,7 +145,6 @@ def make_policy(pair: Pair | None, method: str, *, classifier: str | None = None
     """The acceptance policy ``method`` names (ar, draft, sd, pad or a baseline spec such as ``topk:k=3``).
     With ``pair=None`` only the arguments are checked (a pad classifier's files included; ``pair_name``
     finds a registered pair's shipped classifier) and None is returned for pad."""
-
     target, name = (pair.target, pair.name) if pair is not None else (None, pair_name)
     return policies.make_policy(method, target, classifier=classifier, sigma=sigma, p_floor=p_floor, pair=name)
 
@@ -186,7 +177,6 @@ def generate(pair: Pair, prompt: str | None = None, *, messages: list[dict[str, 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:
     """A JSONL file of prompts, one ``{"prompt": ...}`` or ``{"messages": [...]}`` per line."""
-
     path = Path(path)
     prompts = read_user_jsonl(path, "prompts file")
     for n, obj in enumerate(prompts, 1):
@@ -201,7 +191,6 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
 
 def get_task(name: str, data: str | None = None) -> Task:
     """The task called ``name`` (arith, arith-hard, humaneval, gsm8k, mbpp, jsonl; ``data``: a local file)."""
-
     return find_task(name, data)
 
 
@@ -210,14 +199,12 @@ def method_specs(pair: Pair | None, methods: str = "ar,sd", *, sigmas: list[floa
                  p_floor: float = DEFAULT_P_FLOOR, pair_name: str | None = None) -> list[MethodSpec]:
     """The labelled methods an evaluation runs (one pad per sigma, one per baseline spec); with
     ``pair=None`` only their arguments are checked (pad policies are None)."""
-
     return runs.method_specs(methods, pair.target if pair else None, sigmas=sigmas, baselines=list(baselines),
                  classifier=classifier, sigma=sigma, p_floor=p_floor, pair=pair.name if pair else pair_name)
 
 
 def check_evaluate(settings: EvalSettings, specs: list[MethodSpec]) -> None:
     """An evaluation's settings, task, data file and output directory, before any model loads."""
-
     check_decoding(settings.gamma, settings.max_new_tokens, settings.temperature, settings.top_k, settings.top_p,
                    settings.stop)
     if settings.n < 1:
@@ -235,7 +222,6 @@ def evaluate(pair: Pair, settings: EvalSettings | None = None, *, methods: str =
     ``specs`` (from ``method_specs``, or ``MethodSpec``s of your own, e.g. one gamma each) replaces the
     method arguments; ``between(done, total)`` runs after each problem, outside any timed decode. Returns the
     summary per method; with ``out`` also writes results.jsonl, summaries and the report."""
-
     st = replace(settings or EvalSettings(), **setting_overrides)
     classifier = classifier or st.classifier
     if specs is None:
@@ -265,8 +251,17 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
 
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
     """An evaluation's summary as the Markdown table the CLI prints."""
-
     return reports.format_table(summary)
+
+
+def format_cell(x: Any, spec: str, suffix: str = "") -> str:
+    """One number of a summary as that table writes it (``-`` for None)."""
+    return reports.fmt(x, spec, suffix)
+
+
+def format_paired(comparison: dict[str, Any] | None) -> str:
+    """A paired comparison (``summary[method]["paired"][reference]``) as that table writes it."""
+    return reports.paired_cell(comparison)
 
 
 # --- labels -------------------------------------------------------------------------------------------------
