@@ -203,15 +203,17 @@ def method_specs(pair: Pair | None, methods: str = "ar,sd", *, sigmas: list[floa
                  classifier=classifier, sigma=sigma, p_floor=p_floor, pair=pair.name if pair else pair_name)
 
 
-def check_evaluate(settings: EvalSettings, specs: list[MethodSpec]) -> None:
-    """An evaluation's settings, task, data file and output directory, before any model loads."""
+def check_evaluate(settings: EvalSettings) -> Task:
+    """An evaluation's settings, task, data file and output directory, before any model loads; returns the
+    task (a file-backed one has read its file)."""
     check_decoding(settings.gamma, settings.max_new_tokens, settings.temperature, settings.top_k, settings.top_p,
                    settings.stop)
     if settings.n < 1:
         raise UsageError(f"--n must be >= 1, got {settings.n}")
-    get_task(settings.task, settings.data)
+    task = get_task(settings.task, settings.data)
     if settings.out is not None:
         ensure_writable_dir(Path(settings.out))
+    return task
 
 
 def evaluate(pair: Pair, settings: EvalSettings | None = None, *, methods: str = "ar,sd",
@@ -227,13 +229,12 @@ def evaluate(pair: Pair, settings: EvalSettings | None = None, *, methods: str =
     if specs is None:
         specs = method_specs(pair, methods, sigmas=sigmas, baselines=baselines, classifier=classifier,
                              sigma=sigma, p_floor=p_floor)
-    check_evaluate(st, specs)
+    task = check_evaluate(st)
     if any(s.method != "ar" for s in specs) and pair.draft is None:
         raise UsageError("these methods need a draft model: load the pair with a draft")
     if classifier is None and any(s.method == "pad" for s in specs):
         classifier = default_classifier(pair.name)
     st = replace(st, classifier=classifier)
-    task = get_task(st.task, st.data)
     target = None if all(s.method == "draft" for s in specs) else pair.target
     return runs.evaluate(st, task, task.problems(st.split, st.n, st.seed), specs, target, pair.draft, between)
 

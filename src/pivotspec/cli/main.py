@@ -150,7 +150,7 @@ def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     baselines = [b for b in (args.baselines or "").split(",") if b] + list(args.baseline)
     kwargs = {"sigmas": sigmas, "baselines": baselines, **policy_args(args)}
     specs = api.method_specs(None, args.methods, pair_name=args.pair, **kwargs)
-    api.check_evaluate(settings, specs)  # settings, task, data and --out before the (slow) model loading
+    api.check_evaluate(settings)  # settings, task, data and --out before the (slow) model loading
     pair = load_pair(args, needs_draft=any(s.method != "ar" for s in specs))
     return api.evaluate(pair, settings, specs=api.method_specs(pair, args.methods, **kwargs))
 
@@ -186,7 +186,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if out.is_dir() and any(out.iterdir()) and not (earlier_demo or args.overwrite):
         raise UsageError(f"{out} holds files that are not an earlier demo: pass --overwrite to replace them, or "
                          "choose another --out")
-    api.check_evaluate(_eval_settings(ns), [])  # also a file in the way of --out, or one that cannot be written
+    api.check_evaluate(_eval_settings(ns))  # also a file in the way of --out, or one that cannot be written
     if not clf_dir:
         print("pivotspec: note: no pivot classifier is shipped yet, so the demo runs ar and sd only",
               file=sys.stderr)
