@@ -1,6 +1,6 @@
 """The architectures people use, as tiny random checkpoints loaded by path like a user's: greedy SD and PAD at
-sigma 0 equal target-only decoding, rollback works past a sliding window, and the hidden state can be read at a
-negative (HF-style) layer index."""
+sigma 0 equal target-only decoding, rollback works past a sliding window, the batched loop decodes what batch 1
+decodes (rows past the window among them), and the hidden state can be read at a negative (HF-style) layer index."""
 
 from __future__ import annotations
 
@@ -93,3 +93,19 @@ def test_hidden_state_at_a_negative_layer(arch_pair):
     _, hidden = target.forward(ids, keep_logits=2, hidden_layer=-2)
     out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
     torch.testing.assert_close(hidden, out.hidden_states[-2][0, -2:], atol=1e-4, rtol=1e-4)
+
+
+def test_batched_rows_equal_batch1(arch_pair):
+    from pivotspec.decoding.batch import Request, decode_many
+
+    _, target, draft = arch_pair
+    pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
+    rows = [[3, 4, 5], list(range(7, 18)), [9], list(range(5, 22))]  # two start past the window
+    for method, policy in (("ar", None), ("sd", None), ("pad", pad)):
+        requests = [Request(p, policy=policy, gamma=3, max_new_tokens=24 - 4 * i, speculate=method != "ar")
+                    for i, p in enumerate(rows)]
+        outs = decode_many(target, requests, draft=draft, max_batch=3)  # the fourth row joins late
+        for r, out in zip(requests, outs, strict=True):
+            ref = decode(method, target, draft, r.prompt_ids, policy, gamma=3, max_new_tokens=r.max_new_tokens,
+                         eos_ids=set())
+            assert out.token_ids == ref.token_ids, (method, r.prompt_ids)

@@ -36,7 +36,7 @@ class Generation:
     trace: list[tuple[int, str]] = field(default_factory=list)  # (token id, source) per emitted token
 
 
-def _new_stats() -> dict[str, Any]:
+def new_stats() -> dict[str, Any]:
     stats: dict[str, Any] = {k: 0 for k in STAT_COUNTS}
     stats.update(prefill_s=0.0, draft_s=0.0, target_s=0.0, policy_s=0.0, forward_s=0.0)
     return stats
@@ -55,7 +55,7 @@ def finish_stats(stats: dict[str, Any], new_tokens: int, wall_s: float) -> dict[
     return stats
 
 
-class _Stopper:
+class Stopper:
     """Decides whether the text so far is finished: EOS, a stop string, or the token budget."""
 
     def __init__(self, tokenizer: Any, eos: set[int], stop_strings: list[str], max_new_tokens: int):
@@ -75,7 +75,7 @@ class _Stopper:
         return None
 
 
-def _check_fits(prompt_ids: list[int], max_new_tokens: int, *models: LM | None) -> None:
+def check_fits(prompt_ids: list[int], max_new_tokens: int, *models: LM | None) -> None:
     if not prompt_ids:
         raise UsageError("the prompt is empty (no tokens): give a non-empty prompt")
     for m in models:
@@ -146,12 +146,12 @@ def generate(
 
     Each step: propose (the draft), one target forward, verify (lossless rule + policy), the next token
     (correction or bonus), emit (stop checks per token)."""
-    _check_fits(prompt_ids, max_new_tokens, target, draft)
+    check_fits(prompt_ids, max_new_tokens, target, draft)
     policy = policy or Lossless()
     cfg = cfg or SamplingConfig()
     generator = torch.Generator(device=target.device).manual_seed(seed)  # draws happen where the logits are
-    stopper = _Stopper(target.tokenizer, eos_ids or set(), list(stop_strings or []), max_new_tokens)
-    stats = _new_stats()
+    stopper = Stopper(target.tokenizer, eos_ids or set(), list(stop_strings or []), max_new_tokens)
+    stats = new_stats()
     models = [m for m in (target, draft) if m is not None]
     start = time.perf_counter()
     forward_before = sum(m.forward_s for m in models)

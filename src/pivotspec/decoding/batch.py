@@ -1,0 +1,288 @@
+"""Decoding many sequences at once: the speculative loop of ``loop.py`` over a batch of rows, each with its
+own prompt, acceptance policy, sampling settings, generator, gamma, stop strings and budget.
+
+One step for all rows: the draft proposes for every row that drafts (one batched draft forward per draft
+position; rows that drafted fewer tokens or none ride along as padding), one batched target forward
+verifies every row's [last token, drafts], and then each row is verified, corrected and emitted exactly as
+batch 1 does it (``loop.verify``, ``loop.next_token``, ``loop.step_tokens``): acceptance is per row, like
+vLLM's rejection sampler, and a row's random numbers come from its own generator in batch 1's order.
+
+Rows of any acceptance policy (lossless SD, PAD at any sigma, a baseline) and target-only rows (``speculate``
+False) share a batch: the policy is per row. Rows join between steps (``Batch.add``: the prompt is
+prefilled alone, exactly as batch 1 does it, and copied into the batch's cache, ``slots.SlotCache``) and
+leave as soon as they finish (continuous batching). Timings in a row's stats are the batch's: each step's
+wall time counts for every row in it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pivotspec.decoding.acceptance import Lossless
+from pivotspec.decoding.drafting import Proposal, fit_vocab
+from pivotspec.decoding.loop import (
+    Generation,
+    Stopper,
+    check_fits,
+    finish_stats,
+    new_stats,
+    next_token,
+    step_tokens,
+    verify,
+)
+from pivotspec.decoding.models import LM, synchronize
+from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, residual, sample
+from pivotspec.decoding.slots import SlotCache, attention_masks
+
+
+@dataclass
+class Request:
+    """One row's decode: what ``loop.generate`` takes for one prompt. ``speculate`` False decodes with the
+    target alone (method ``ar``) in a batch whose other rows draft."""
+
+    prompt_ids: list[int]
+    policy: Any = None  # None: lossless SD
+    cfg: SamplingConfig = field(default_factory=SamplingConfig)
+    gamma: int = 5
+    max_new_tokens: int = 128
+    eos_ids: set[int] = field(default_factory=set)
+    stop_strings: list[str] = field(default_factory=list)
+    seed: int = 0
+    speculate: bool = True
+    on_step: Callable[[list[tuple[int, str]]], bool] | None = None
+
+
+class Row:
+    """A request's state while it is in the batch."""
+
+    def __init__(self, request: Request, target: LM):
+        self.request = request
+        self.policy = request.policy or Lossless()
+        self.generator = torch.Generator(device=target.device).manual_seed(request.seed)
+        self.stopper = Stopper(target.tokenizer, request.eos_ids, list(request.stop_strings),
+                                request.max_new_tokens)
+        self.stats = new_stats()
+        self.seq, self.new = list(request.prompt_ids), []
+        self.trace: list[tuple[int, str]] = []
+        self.stop: str | None = None
+        self.cached: dict[int, list[int]] = {}  # id(model) -> the ids its cache row holds
+        self.started = time.perf_counter()
+
+    def gamma(self, has_draft: bool) -> int:
+        """Draft tokens to propose this step: none past the budget (as batch 1)."""
+        if not (has_draft and self.request.speculate):
+            return 0
+        return max(0, min(self.request.gamma, self.request.max_new_tokens - len(self.new) - 1))
+
+    def generation(self, tokenizer: Any) -> Generation:
+        self.stats["stop_reason"] = self.stop or "max_tokens"
+        self.stats["prompt_tokens"] = len(self.request.prompt_ids)
+        stats = finish_stats(self.stats, len(self.new), time.perf_counter() - self.started)
+        return Generation(self.new, tokenizer.decode(self.new, skip_special_tokens=True), stats, self.trace)
+
+
+def _common_prefix(cached: list[int], seq: list[int], keep: int) -> int:
+    """How much of ``cached`` a forward that must return outputs for the last ``keep`` ids of ``seq`` reuses."""
+    limit = min(len(cached), len(seq) - keep)
+    if seq[:limit] == cached[:limit]:
+        return limit
+    return next(i for i in range(limit) if cached[i] != seq[i])
+
+
+class Batch:
+    """Rows decoding together over one target (and optionally one draft); see the module doc."""
+
+    def __init__(self, target: LM, draft: LM | None = None):
+        self.target, self.draft = target, draft
+        self.models = [m for m in (target, draft) if m is not None]
+        self.caches = {id(m): SlotCache(m.model.config, next(m.model.parameters()).dtype, m.device)
+                       for m in self.models}
+        self.rows: list[Row] = []
+
+    def check(self, request: Request) -> None:
+        """Raise a UsageError if the request cannot run here (empty prompt, too long for a model)."""
+        check_fits(request.prompt_ids, request.max_new_tokens, *self.models)
+
+    def add(self, request: Request) -> Row:
+        """Admit a row: its prompt (all but the last token) is prefilled alone and copied into the batch."""
+        self.check(request)
+        row = Row(request, self.target)
+        prompt = request.prompt_ids
+        start = time.perf_counter()
+        forward_before = sum(m.forward_s for m in self.models)
+        for m in self.models:
+            m.reset()
+            if len(prompt) > 1:
+                m.forward(prompt[:-1], keep_logits=0)
+            self.caches[id(m)].add_row(m.cache if len(prompt) > 1 else None, len(prompt) - 1)
+            row.cached[id(m)] = list(prompt[:-1])
+            m.cache, m.cached_ids = None, []  # the batch holds the keys now
+        row.stats["prefill_s"] = time.perf_counter() - start
+        row.stats["prefill_forward_s"] = sum(m.forward_s for m in self.models) - forward_before
+        self.rows.append(row)
+        return row
+
+    def step(self) -> list[tuple[Row, Generation]]:
+        """One speculative step for every row; returns the rows that finished, with their generations."""
+        rows = self.rows
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        forward_before = sum(m.forward_s for m in self.models)
+        gammas = [row.gamma(self.draft is not None) for row in rows]
+        proposals = self._propose(gammas)
+        t1 = time.perf_counter()
+        drafts = [p.tokens if p else [] for p in proposals]
+        layers = {row.policy.hidden_layer for row, d in zip(rows, drafts, strict=True) if d} - {None}
+        seqs = [row.seq + d for row, d in zip(rows, drafts, strict=True)]
+        outputs, hidden = self._forward(self.target, seqs, [len(d) + 1 for d in drafts], layers)
+        t2 = time.perf_counter()
+        forward_s = sum(m.forward_s for m in self.models) - forward_before
+        done = []
+        for row, proposal, d, logits, h in zip(rows, proposals, drafts, outputs, hidden, strict=True):
+            logits = fit_vocab(logits, self.target.vocab_size)
+            self._finish_step(row, proposal, d, logits, h, t1 - t0, t2 - t1, forward_s)
+            if row.stop is not None or len(row.new) >= row.request.max_new_tokens:
+                done.append(row)
+        if done:
+            keep = [b for b, row in enumerate(rows) if row not in done]
+            for cache in self.caches.values():
+                cache.keep_rows(keep)
+            self.rows = [rows[b] for b in keep]
+        return [(row, row.generation(self.target.tokenizer)) for row in done]
+
+    def _finish_step(self, row: Row, proposal: Proposal | None, drafts: list[int], logits: torch.Tensor,
+                     hidden: dict[int, torch.Tensor], draft_s: float, target_s: float,
+                     forward_s: float) -> None:
+        """Verify one row's drafts, pick its next token and emit, as ``loop.generate`` does for batch 1."""
+        stats, cfg = row.stats, row.request.cfg
+        stats["draft_s"] += draft_s if drafts else 0.0
+        stats["target_s"] += target_s
+        stats["forward_s"] += forward_s
+        stats["target_forwards"] += 1
+        stats["draft_forwards"] += len(drafts)
+        stats["drafted"] += len(drafts)
+        v, n_kept = None, 0
+        if drafts:
+            start = time.perf_counter()
+            v, kept = verify(proposal, logits, hidden.get(row.policy.hidden_layer), row.policy, cfg, row.generator)
+            stats["policy_s"] += time.perf_counter() - start
+            n_kept = int(kept.long().cumprod(0).sum())
+        last = next_token(logits, v, n_kept, cfg, row.generator, residual)
+        step_start = len(row.trace)
+        for token, source in step_tokens(drafts, v, n_kept, last, self.draft is not None and row.request.speculate):
+            row.seq.append(token)
+            row.new.append(token)
+            row.trace.append((token, source))
+            stats[source] += 1
+            row.stop = row.stopper.reason(row.new)
+            if row.stop:
+                break
+        on_step = row.request.on_step
+        if on_step is not None and on_step(row.trace[step_start:]) is False and row.stop is None:
+            row.stop = "cancelled"
+
+    def _propose(self, gammas: list[int]) -> list[Proposal | None]:
+        """Every drafting row's proposal: draft position j of all rows in one forward."""
+        draft = self.draft
+        if draft is None or not any(gammas):
+            return [None] * len(self.rows)
+        vocab = self.target.vocab_size
+
+        def to_full(logits: torch.Tensor) -> torch.Tensor:
+            return fit_vocab(draft.full_vocab(logits), vocab)
+
+        tokens: list[list[int]] = [[] for _ in self.rows]
+        native: list[list[torch.Tensor]] = [[] for _ in self.rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in self.rows]
+        drafting = {b for b, g in enumerate(gammas) if g > 0}
+        while drafting:
+            seqs = [row.seq + tokens[b] if b in drafting else None for b, row in enumerate(self.rows)]
+            outputs, _ = self._forward(draft, seqs, [1] * len(seqs), set(), full_vocab=False)
+            for b in sorted(drafting):
+                row, logits = self.rows[b], outputs[b]
+                native[b].append(logits[0])
+                if row.request.cfg.greedy:
+                    token = draft.greedy_token(logits[0], vocab)
+                else:
+                    q = logits_to_probs(to_full(logits), row.request.cfg)
+                    qs[b].append(q[0])
+                    token = int(sample(q, row.generator)[0])
+                tokens[b].append(token)
+                if token in row.stopper.eos or len(tokens[b]) >= gammas[b]:
+                    drafting.discard(b)
+        return [Proposal(tokens[b], torch.stack(native[b]), torch.stack(qs[b]) if qs[b] else None, to_full)
+                if tokens[b] else None for b in range(len(self.rows))]
+
+    @torch.inference_mode()
+    def _forward(self, lm: LM, seqs: list[list[int] | None], keep: list[int], layers: set[int],
+                 full_vocab: bool = True) -> tuple[list[torch.Tensor | None], list[dict[int, torch.Tensor]]]:
+        """One forward of ``lm`` over every row: row b's cache is made to hold ``seqs[b]`` (rolled back to the
+        longest prefix it shares, then fed the rest); returns the float32 logits of its last ``keep[b]``
+        positions and, per row, the hidden states there after each block in ``layers``. A row whose seq is
+        None is fed padding only and gets None."""
+        cache = self.caches[id(lm)]
+        feeds: list[list[int]] = []
+        for b, (row, seq) in enumerate(zip(self.rows, seqs, strict=True)):
+            if seq is None:
+                feeds.append([])
+                continue
+            cached = row.cached[id(lm)]
+            common = _common_prefix(cached, seq, keep[b])
+            del cached[common:]
+            cache.lengths[b] = common
+            feeds.append(seq[common:])
+        width = max(len(f) for f in feeds)
+        pad = [max(0, width - len(f)) for f in feeds]
+        ids = torch.tensor([f + [0] * p for f, p in zip(feeds, pad, strict=True)], device=lm.device)
+        cache.prepare(width)
+        dtype = next(lm.model.parameters()).dtype
+        masks = attention_masks(lm.model.config, cache.lengths, width, max(cache.lengths) + width, lm.device, dtype)
+        positions = torch.tensor(cache.lengths, device=lm.device)[:, None] + torch.arange(width, device=lm.device)
+        captured: dict[int, torch.Tensor] = {}
+        handles = [lm.model.model.layers[lm.resolve_layer(layer) - 1].register_forward_hook(
+            lambda _m, _i, out, layer=layer: captured.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
+            for layer in layers]
+        synchronize(lm.device)
+        start = time.perf_counter()
+        try:
+            out = lm.model(input_ids=ids if lm.input_map is None else lm.input_map[ids], attention_mask=masks,
+                           position_ids=positions, cache=cache, use_cache=True, logits_to_keep=width)
+        finally:
+            for h in handles:
+                h.remove()
+        synchronize(lm.device)
+        lm.forward_s += time.perf_counter() - start
+        logits: list[torch.Tensor | None] = []
+        hidden: list[dict[int, torch.Tensor]] = []
+        for b, (row, f) in enumerate(zip(self.rows, feeds, strict=True)):
+            kept = slice(len(f) - keep[b], len(f))  # the fed tokens are left-aligned, padding after them
+            rows = out.logits[b, kept].float() if f else None
+            logits.append(lm.full_vocab(rows) if full_vocab and f else rows)
+            hidden.append({layer: h[b, kept].float() for layer, h in captured.items()} if f else {})
+            row.cached[id(lm)].extend(f)
+            cache.lengths[b] += len(f)
+        return logits, hidden
+
+
+def decode_many(target: LM, requests: list[Request], *, draft: LM | None = None,
+                max_batch: int = 8) -> list[Generation]:
+    """Decode ``requests`` with at most ``max_batch`` rows at a time; a finished row's place goes to the next
+    request at once. Returns the generations in the requests' order."""
+    batch = Batch(target, draft)
+    for r in requests:
+        batch.check(r)
+    results: dict[int, Generation] = {}
+    order = {id(r): i for i, r in enumerate(requests)}
+    waiting = list(requests)
+    while waiting or batch.rows:
+        while waiting and len(batch.rows) < max_batch:
+            batch.add(waiting.pop(0))
+        for row, gen in batch.step():
+            results[order[id(row.request)]] = gen
+    return [results[i] for i in range(len(requests))]

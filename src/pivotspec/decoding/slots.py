@@ -1,0 +1,122 @@
+"""The KV cache of a batch of sequences that advance by different amounts, and its attention masks.
+
+Row b's token at position p lives in column p of row b (right padding): a row's valid length is all it
+needs, so rolling back rejected drafts is lowering a number, and each forward writes every row's new tokens
+at that row's own columns (``SlotCache.plan``). Columns past a row's length hold stale or padding keys;
+the mask is causal over positions (column c is visible from position p when c <= p, and c > p - window in
+a sliding-window layer), so a query never sees them: the columns below its own position are either the
+row's valid prefix or this forward's new tokens, which are written before attention reads them.
+
+Rows join by copying a batch-1 prefill into a free row (so the prompt is computed exactly as batch 1
+computes it) and leave by selecting the rows that stay; both copy the cache, at step boundaries only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values, [rows, heads, capacity, head dim]; writes go where the cache's plan says."""
+
+    def __init__(self, cache: SlotCache, empty: torch.Tensor):
+        super().__init__()
+        self.owner = cache
+        self.keys, self.values = empty, empty.clone()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols, width = self.owner.plan(key_states.shape[-2])
+        # Advanced indices on dims 0 and 2 put their [B, T] shape first: the target is [B, T, heads, dim].
+        self.keys[rows, :, cols] = key_states.transpose(1, 2)
+        self.values[rows, :, cols] = value_states.transpose(1, 2)
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+
+class SlotCache(DynamicCache):
+    """The KV cache of one model for a batch: ``lengths[b]`` valid positions in row b."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, device: torch.device):
+        super().__init__(config=config)
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        empty = torch.zeros((0, heads, 0, head_dim), dtype=dtype, device=device)
+        self.layers = [SlotLayer(self, empty) for _ in range(config.num_hidden_layers)]
+        self.lengths: list[int] = []
+        self._starts = torch.zeros(0, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].keys.shape[2]
+
+    def plan(self, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Where a forward of ``new`` tokens per row writes: row indices [B, 1], columns [B, new], and how
+        many columns attention reads."""
+        cols = self._starts[:, None] + torch.arange(new, device=self._starts.device)
+        rows = torch.arange(len(self.lengths), device=self._starts.device)[:, None]
+        return rows, cols, max(self.lengths) + new
+
+    def prepare(self, new: int) -> None:
+        """Make room for ``new`` more tokens in every row and fix this forward's write positions."""
+        need = max(self.lengths) + new
+        if need > self.capacity:
+            self._resize(len(self.lengths), max(need, 2 * self.capacity, 64))
+        self._starts = torch.tensor(self.lengths, device=self._starts.device)
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        for layer in self.layers:
+            for part in ("keys", "values"):
+                old = getattr(layer, part)
+                new = old.new_zeros((rows, old.shape[1], capacity, old.shape[3]))
+                new[: old.shape[0], :, : old.shape[2]] = old
+                setattr(layer, part, new)
+
+    def add_row(self, prefill: Any, length: int) -> None:
+        """Append a row holding the first ``length`` positions of ``prefill``, a batch-1 HF cache (None when
+        the prompt is one token long and nothing was prefilled)."""
+        self._resize(len(self.lengths) + 1, max(length + 1, self.capacity, 64))
+        if length:
+            for layer, src in zip(self.layers, prefill.layers, strict=True):
+                layer.keys[-1, :, :length] = src.keys[0, :, :length]
+                layer.values[-1, :, :length] = src.values[0, :, :length]
+        self.lengths.append(length)
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Drop every row not in ``keep`` (row indices, in their new order)."""
+        index = torch.tensor(keep, dtype=torch.long, device=self._starts.device)
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.lengths = [self.lengths[i] for i in keep]
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """The attention kinds a model's layers use: HF's ``layer_types``, else one kind for every layer."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return sorted(set(types))
+    return ["sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+
+
+def attention_masks(config: Any, starts: list[int], new: int, width: int, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """[rows, 1, new, width] masks for a forward of ``new`` tokens per row written at ``starts``: a tensor
+    when every layer has one kind of attention, else one per kind keyed as HF's mask mappings are."""
+    pos = torch.tensor(starts, device=device)[:, None] + torch.arange(new, device=device)  # [B, T]
+    cols = torch.arange(width, device=device)
+    visible = cols[None, None, :] <= pos[:, :, None]
+    kinds = layer_kinds(config)
+    masks = {}
+    for kind in kinds:
+        mask = visible
+        if kind == "sliding_attention":
+            mask = visible & (cols[None, None, :] > pos[:, :, None] - int(config.sliding_window))
+        mask = mask[:, None]
+        if getattr(config, "_attn_implementation", "sdpa") == "eager":  # eager attention adds the mask
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+        masks[kind] = mask
+    return masks[kinds[0]] if len(kinds) == 1 else masks
