@@ -31,7 +31,8 @@ def server(tiny_dir):
     from pivotspec.server import Settings, create_app
 
     pair = api.load_pair(str(tiny_dir["llama_target"]), str(tiny_dir["llama_draft"]))
-    settings = Settings(model="tiny", method="sd", classifier="const:0.3", max_queue=1, api_key=KEY, max_tokens=16)
+    settings = Settings(model="tiny", method="sd", classifier="const:0.3", max_queue=2, api_key=KEY, max_tokens=16,
+                        max_batch=3)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(pair, settings), host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -115,20 +116,86 @@ def test_error_statuses(server):
     assert http(server, "/v1/models")[0] == 200 and http(server, "/metrics")[0] == 200
 
 
-def test_full_queue_answers_429_and_metrics_add_up(server):
-    from pivotspec.server.app import Server  # noqa: F401
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """Every forward of the target takes 20 ms more, so requests overlap; returns each forward's row count."""
+    model = server["pair"].target.model
+    calls = []
+    real = model.forward
 
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 16, "method": "sd"}
-    before = http(server, "/metrics")[1]
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(http(server, "/v1/chat/completions", body)))
-               for _ in range(6)]
+    def slow(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0] if "input_ids" in kwargs else 1)
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow)
+    return calls
+
+
+def gauge(server, name):
+    text = http(server, "/metrics")[1]
+    return int(next(line.split()[-1] for line in text.splitlines() if line.startswith(f"pivotspec:{name} ")))
+
+
+def concurrently(server, bodies):
+    results = [None] * len(bodies)
+
+    def one(i):
+        results[i] = http(server, "/v1/chat/completions", bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def chat_body(words, max_tokens, **extra):
+    return {"model": "tiny", "messages": [{"role": "user", "content": words}], "max_tokens": max_tokens, **extra}
+
+
+def test_concurrent_requests_decode_together_and_equal_alone(server, slow_steps):
+    bodies = [chat_body("w1 w2", 40, method="sd", gamma=3), chat_body("w5", 36, method="pad", sigma=1.0),
+              chat_body("w3 w4 w5 w6", 44, method="ar")]
+    together = concurrently(server, bodies)
+    assert max(slow_steps) == 3  # one target forward held all three rows
+    assert gauge(server, "num_requests_running") == 0 and gauge(server, "num_requests_waiting") == 0
+    for body, (code, reply) in zip(bodies, together, strict=True):
+        alone = http(server, "/v1/chat/completions", body)
+        assert code == alone[0] == 200
+        assert json.loads(reply)["choices"] == json.loads(alone[1])["choices"]
+
+
+def test_a_long_request_does_not_stall_a_short_one(server, slow_steps):
+    done = {}
+
+    def long():
+        done["reply"] = http(server, "/v1/chat/completions", chat_body("w3 w4", 200, method="ar"))  # no EOS
+        done["long"] = time.time()
+
+    thread = threading.Thread(target=long)
+    thread.start()
+    time.sleep(0.5)
+    assert http(server, "/v1/chat/completions", chat_body("w2", 4, method="ar"))[0] == 200
+    done["short"] = time.time()
+    thread.join()
+    assert json.loads(done["reply"][1])["usage"]["completion_tokens"] == 200
+    assert done["long"] - done["short"] > 1.5  # the short one joined the batch and left it while the long one ran
+
+
+def test_past_max_model_len_is_400(server):
+    status, body = http(server, "/v1/chat/completions", chat_body("w1", 600))
+    assert status == 400 and "--max-model-len 512" in json.loads(body)["error"]["message"]
+
+
+def test_full_queue_answers_429_and_metrics_add_up(server, slow_steps):
+    body = chat_body("w1 w2", 16, method="sd")
+    before = http(server, "/metrics")[1]
+    results = concurrently(server, [body] * 8)
     codes = sorted(code for code, _ in results)
-    assert 429 in codes and 200 in codes  # max_queue 1: one running, one waiting, the rest refused
+    # 3 rows decode and 2 wait; the rest are refused (exactly 3 if all 8 arrive before the first finishes)
+    assert codes.count(429) >= 1 and codes.count(200) >= 5
     after = http(server, "/metrics")[1]
 
     def counter(text, name):
@@ -138,35 +205,29 @@ def test_full_queue_answers_429_and_metrics_add_up(server):
     assert counter(after, "spec_decode_num_draft_tokens") - counter(before, "spec_decode_num_draft_tokens") == drafted
 
 
-def test_disconnect_mid_stream_stops_the_decode(server, monkeypatch):
-    """A client that goes away mid-stream stops its decode within a step: with forwards slowed to 20 ms, the
-    480-token decode it asked for would take ~10 s, but the worker is free again within a second or two."""
-    target = server["pair"].target
-    calls = []
-    real_forward = target.forward
-
-    def slow_forward(*args, **kwargs):
-        calls.append(1)
-        time.sleep(0.02)
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(target, "forward", slow_forward)
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 480,
-                       "stream": True, "method": "ar"}).encode()
+def test_disconnect_mid_stream_stops_that_row_only(server, slow_steps):
+    """A client that goes away mid-stream leaves the batch within a step: the 480-token decode it asked for
+    would take ~10 s at 20 ms a forward, but the row is gone within a second or two, and a request decoding
+    beside it finishes."""
+    body = json.dumps(chat_body("w3 w4", 480, stream=True, method="ar")).encode()
     sock = socket.create_connection(("127.0.0.1", int(server["url"].rsplit(":", 1)[1])))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     received = b""
     while b'"content"' not in received:  # a token has arrived: the decode is under way
         received += sock.recv(4096)
+    beside = {}
+    thread = threading.Thread(target=lambda: beside.update(r=http(server, "/v1/chat/completions",
+                                                                  chat_body("w2", 40, method="ar"))))
+    thread.start()
+    time.sleep(0.3)
     sock.close()
     closed_at = time.time()
-    while time.time() - closed_at < 10 and "pivotspec:num_requests_running 0" not in http(server, "/metrics")[1]:
+    thread.join()
+    while time.time() - closed_at < 10 and gauge(server, "num_requests_running") != 0:
         time.sleep(0.05)
-    assert time.time() - closed_at < 3 and len(calls) < 200
-    monkeypatch.setattr(target, "forward", real_forward)
-    assert http(server, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
-                                                 "max_tokens": 2})[0] == 200
+    assert time.time() - closed_at < 3 and len(slow_steps) < 200
+    assert beside["r"][0] == 200 and json.loads(beside["r"][1])["usage"]["completion_tokens"] == 40
 
 
 @pytest.mark.slow  # starts a server process

@@ -22,7 +22,8 @@ from pivotspec.classifier.model import TYPES as CLASSIFIER_TYPES
 from pivotspec.classifier.model import load as load_classifier
 from pivotspec.classifier.training import Filters, evaluate_on_labels, probability_properties, train_from_labels
 from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR
-from pivotspec.decoding.loop import METHODS, Generation, decode
+from pivotspec.decoding.batch import Batch, Request, decode_many
+from pivotspec.decoding.loop import METHODS, Generation, check_fits, decode
 from pivotspec.decoding.models import LM, PAIRS, check_same_tokenizer, eos_ids, load_lm
 from pivotspec.decoding.sampling import SamplingConfig
 from pivotspec.errors import UsageError
@@ -149,18 +150,14 @@ def make_policy(pair: Pair | None, method: str, *, classifier: str | None = None
     return policies.make_policy(method, target, classifier=classifier, sigma=sigma, p_floor=p_floor, pair=name)
 
 
-def generate(pair: Pair, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
-             prompt_ids: list[int] | None = None, method: str | None = None, classifier: str | None = None,
-             sigma: float | None = None,
-             p_floor: float = DEFAULT_P_FLOOR, policy: Any = None, gamma: int = 5, max_new_tokens: int = 128,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop: list[str] | None = None, chat: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None, on_step: Any = None) -> Generation:
-    """Decode one prompt (text, chat ``messages``, or token ``prompt_ids``). ``method``: ar, draft, sd, pad or a
-    baseline spec (default: sd with a draft, else ar); ``policy`` (from ``make_policy``, or any acceptance policy) saves
-    building it per call. Returns text, token ids, stats (tau = tokens per target forward, eta, forwards,
-    timings) and the per-token trace (token id, source). ``on_step(pairs)`` sees each step's new
-    (token id, source) pairs as they come; returning False stops the decode."""
+def make_request(pair: Pair, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                 prompt_ids: list[int] | None = None, method: str | None = None, classifier: str | None = None,
+                 sigma: float | None = None, p_floor: float = DEFAULT_P_FLOOR, policy: Any = None, gamma: int = 5,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, stop: list[str] | None = None, chat: bool = True,
+                 chat_template_kwargs: dict[str, Any] | None = None, on_step: Any = None) -> Request:
+    """One decode's checked settings, as a row a batch can take (``new_batch``; method ``draft`` rows go to the
+    batch made with ``draft_only``). The arguments are ``generate``'s."""
     if prompt is None and messages is None and prompt_ids is None:
         raise UsageError("give a prompt, messages or prompt ids")
     check_decoding(gamma, max_new_tokens, temperature, top_k, top_p, stop)
@@ -170,9 +167,53 @@ def generate(pair: Pair, prompt: str | None = None, *, messages: list[dict[str, 
     if policy is None:
         policy = make_policy(pair, method, classifier=classifier, sigma=sigma, p_floor=p_floor)
     ids = prompt_ids or encode(pair.target, prompt, messages, chat, chat_template_kwargs)
-    return decode(decode_method(method), pair.target, pair.draft, ids, policy,
-                  cfg=SamplingConfig(temperature, top_k, top_p), gamma=gamma, max_new_tokens=max_new_tokens,
-                  eos_ids=eos_ids(pair.target), stop_strings=stop, seed=seed, on_step=on_step)
+    return Request(ids, policy=policy if decode_method(method) == "pad" else None,
+                   cfg=SamplingConfig(temperature, top_k, top_p), gamma=gamma, max_new_tokens=max_new_tokens,
+                   eos_ids=eos_ids(pair.target), stop_strings=list(stop or []), seed=seed,
+                   speculate=decode_method(method) in ("sd", "pad"), on_step=on_step, method=method)
+
+
+def check_request(pair: Pair, request: Request) -> None:
+    """A UsageError if the row cannot decode on this pair (an empty prompt; prompt + budget past a model's
+    positions), before it joins a batch."""
+    check_fits(request.prompt_ids, request.max_new_tokens, pair.target, pair.draft)
+
+
+def generate(pair: Pair, prompt: str | None = None, **settings: Any) -> Generation:
+    """Decode one prompt (text, chat ``messages``, or token ``prompt_ids``). ``method``: ar, draft, sd, pad or a
+    baseline spec (default: sd with a draft, else ar); ``policy`` (from ``make_policy``, or any acceptance
+    policy) saves building it per call; ``classifier``, ``sigma`` and ``p_floor`` build PAD's. Also ``gamma``,
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``chat`` and
+    ``chat_template_kwargs`` (see ``make_request``). Returns text, token ids, stats (tau = tokens per target
+    forward, eta, forwards, timings) and the per-token trace (token id, source). ``on_step(pairs)`` sees each
+    step's new (token id, source) pairs as they come; returning False stops the decode."""
+    r = make_request(pair, prompt, **settings)
+    return decode(decode_method(r.method), pair.target, pair.draft, r.prompt_ids, r.policy, cfg=r.cfg,
+                  gamma=r.gamma, max_new_tokens=r.max_new_tokens, eos_ids=r.eos_ids, stop_strings=r.stop_strings,
+                  seed=r.seed, on_step=r.on_step)
+
+
+def new_batch(pair: Pair, draft_only: bool = False) -> Batch:
+    """An empty batch over the pair (over the draft alone with ``draft_only``, for method ``draft``): rows from
+    ``make_request`` join with ``add`` and advance together with ``step`` (see ``pivotspec.decoding.batch``)."""
+    if draft_only and pair.draft is None:
+        raise UsageError("method 'draft' needs a draft model: load the pair with a draft")
+    return Batch(pair.draft, None) if draft_only else Batch(pair.target, pair.draft)
+
+
+def generate_many(pair: Pair, prompts: list[Any], *, batch_size: int = 8, **settings: Any) -> list[Generation]:
+    """Decode many prompts together, at most ``batch_size`` rows at a time (a finished row's place goes to the
+    next prompt at once). Each prompt is a text, a chat message list or a list of token ids; ``settings`` are
+    ``generate``'s and apply to every row. Greedy rows equal their ``generate`` output token for token."""
+    if batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
+    requests = []
+    for p in prompts:
+        key = "prompt" if isinstance(p, str) else "prompt_ids" if p and isinstance(p[0], int) else "messages"
+        requests.append(make_request(pair, **{key: p}, **settings))
+    draft_only = requests[0].method == "draft" if requests else False
+    batch = new_batch(pair, draft_only)
+    return decode_many(batch.target, requests, draft=batch.draft, max_batch=batch_size)
 
 
 def read_prompts(path: str | Path) -> list[dict[str, Any]]:

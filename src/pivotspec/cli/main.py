@@ -94,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--gamma", type=int, default=5, help="draft tokens per step")
     srv.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
-    srv.add_argument("--max-queue", type=int, default=16, help="requests waiting behind the running one before 429")
+    srv.add_argument("--max-batch", type=int, default=8, help="requests decoding together (continuous batching); "
+                     "1 decodes one at a time")
+    srv.add_argument("--max-queue", type=int, default=16, help="requests waiting for a free batch row before 429")
+    srv.add_argument("--max-model-len", type=int, default=None, help="prompt + max_tokens above this is refused "
+                     "with 400 (default: the target's positions)")
     srv.add_argument("--max-tokens", type=int, default=256, help="completion budget when a request sets none")
     srv.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health")
     srv.add_argument("--model-name", help="the model id clients send (default: the target's name)")
@@ -201,14 +205,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
         from pivotspec.server import Settings, serve
     except ImportError:
         raise UsageError("pivotspec serve needs FastAPI and uvicorn: pip install 'pivotspec[serve]'") from None
-    if args.max_queue < 0 or args.gamma < 1 or args.max_tokens < 1:
-        raise UsageError("--max-queue must be >= 0, --gamma and --max-tokens >= 1")
+    if args.max_queue < 0 or args.gamma < 1 or args.max_tokens < 1 or args.max_batch < 1:
+        raise UsageError("--max-queue must be >= 0, --gamma, --max-tokens and --max-batch >= 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise UsageError("--max-model-len must be >= 2 (a prompt token and a new one)")
     # a bad default method, classifier or sigma fails now, before the models load, not on every request
     api.make_policy(None, args.method, classifier=args.classifier, sigma=args.sigma, pair_name=args.pair)
     pair = load_pair(args, needs_draft=args.method != "ar")
     settings = Settings(model=args.model_name or pair.target.name, method=args.method, classifier=args.classifier,
                         sigma=args.sigma, gamma=args.gamma, max_queue=args.max_queue, api_key=args.api_key,
-                        max_tokens=args.max_tokens)
+                        max_tokens=args.max_tokens, max_batch=args.max_batch, max_model_len=args.max_model_len)
     print(f"pivotspec: serving {settings.model!r} ({settings.method}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     serve(pair, settings, args.host, args.port)

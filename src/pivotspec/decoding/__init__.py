@@ -4,8 +4,9 @@ Owns the models and their roll-back caches (``models``, ``kvcache``), turning lo
 tokens (``sampling``), the draft's proposal (``drafting``), verification and the acceptance policies
 (``acceptance``: lossless SD and PAD; ``baselines``: the training-free relaxed rules), and the loop that ties them
 (``loop``), and the same loop over a batch of rows with per-row acceptance and continuous batching (``batch``,
-over the per-row KV cache of ``slots``). It imports only the base (``pivotspec.errors``) and third-party libraries: it knows nothing of
-tasks, labels, classifier training or files, so every stage above reads the same loop.
+over the per-row KV cache of ``slots``). It imports only the base (``pivotspec.errors``) and third-party
+libraries: it knows nothing of tasks, labels, classifier training or files, so every stage above reads the same
+loop.
 """
 
 from pivotspec.decoding.batch import Batch, Request, decode_many

@@ -28,6 +28,7 @@ from pivotspec.decoding.drafting import Proposal, fit_vocab
 from pivotspec.decoding.loop import (
     Generation,
     Stopper,
+    as_draft_only,
     check_fits,
     finish_stats,
     new_stats,
@@ -54,6 +55,7 @@ class Request:
     stop_strings: list[str] = field(default_factory=list)
     seed: int = 0
     speculate: bool = True
+    method: str = "sd"  # the name it was asked for (ar, draft, sd, pad or a baseline spec); "draft": see ``Row``
     on_step: Callable[[list[tuple[int, str]]], bool] | None = None
 
 
@@ -83,6 +85,8 @@ class Row:
         self.stats["stop_reason"] = self.stop or "max_tokens"
         self.stats["prompt_tokens"] = len(self.request.prompt_ids)
         stats = finish_stats(self.stats, len(self.new), time.perf_counter() - self.started)
+        if self.request.method == "draft":  # the batch's "target" was the draft model
+            as_draft_only(stats)
         return Generation(self.new, tokenizer.decode(self.new, skip_special_tokens=True), stats, self.trace)
 
 

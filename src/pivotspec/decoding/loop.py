@@ -206,6 +206,12 @@ def generate(
     return Generation(new, text, finish_stats(stats, len(new), wall), trace)
 
 
+def as_draft_only(stats: dict[str, Any]) -> None:
+    """Stats of a decode by the draft model alone: its forwards are draft forwards, and tau has no meaning."""
+    stats["draft_forwards"], stats["target_forwards"] = stats["target_forwards"], 0
+    stats["tau"] = None
+
+
 METHODS = ("ar", "draft", "sd", "pad")  # what ``decode`` runs; PAD and the baselines differ only by policy
 
 
@@ -217,7 +223,6 @@ def decode(method: str, target: LM | None, draft: LM | None, prompt_ids: list[in
         return generate(target, prompt_ids, **kwargs)
     if method == "draft":
         gen = generate(draft, prompt_ids, **kwargs)
-        gen.stats["draft_forwards"], gen.stats["target_forwards"] = gen.stats["target_forwards"], 0
-        gen.stats["tau"] = None
+        as_draft_only(gen.stats)
         return gen
     return generate(target, prompt_ids, draft=draft, policy=Lossless() if method == "sd" else policy, **kwargs)

@@ -1,8 +1,10 @@
 """An OpenAI-compatible HTTP server over ``pivotspec.api`` (FastAPI).
 
-Requests queue FIFO behind the one loaded pair: a single worker thread decodes, so the event loop stays
-free and a full queue answers 429 at once. Streaming is server-sent events in OpenAI's chunk format; a
-client that disconnects stops its decode within one step (``on_step`` returns False).
+Requests decode together: up to ``max_batch`` rows share each speculative step (``scheduler``: continuous
+batching on one thread, so the event loop stays free), the rest wait FIFO for a free row, and past
+``max_queue`` waiting a request is answered 429 at once. Streaming is server-sent events in OpenAI's chunk
+format; a client that disconnects leaves the batch within one step (``on_step`` returns False) and the
+other rows go on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import math
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 from pivotspec import api
 from pivotspec.errors import UsageError
 from pivotspec.server.metrics import Metrics, speculative_metrics
+from pivotspec.server.scheduler import Job, Scheduler
 
 PLAYGROUND = Path(__file__).parent / "playground.html"
 
@@ -48,6 +50,8 @@ class Settings:
     max_queue: int = 16
     api_key: str | None = None
     max_tokens: int = 256
+    max_batch: int = 8
+    max_model_len: int | None = None  # prompt + max_tokens above it is refused (400); None: the target's positions
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -65,9 +69,10 @@ class Server:
 
     def __init__(self, pair: api.Pair, settings: Settings):
         self.pair, self.settings, self.metrics = pair, settings, Metrics()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pivotspec-decode")
         self.lock = threading.Lock()
         self.policies: dict[tuple, Any] = {}
+        self.max_model_len = settings.max_model_len or pair.target.max_positions or 4096
+        self.scheduler = Scheduler(pair, settings.max_batch, self.metrics.set_queue)
 
     def policy(self, method: str, sigma: float | None) -> Any:
         """The acceptance policy for a request's ``method`` (ar, draft, sd, pad or a baseline spec), built once."""
@@ -123,29 +128,47 @@ class Server:
         sigma = body.get("sigma", self.settings.sigma)
         if sigma is not None:
             sigma = _number(body, "sigma", 0.0, 0.0, 1.0)
-        args.update(method=method, policy=self.policy(method, sigma), max_new_tokens=min(max_tokens, 4096),
+        args.update(method=method, policy=self.policy(method, sigma), max_new_tokens=max_tokens,
                     temperature=_number(body, "temperature", 0.0, 0.0, 100.0),
                     top_p=_number(body, "top_p", 1.0, 1e-9, 1.0), stop=stop, seed=seed, gamma=gamma,
                     chat=chat, chat_template_kwargs=kwargs)
         return args
 
-    def admit(self) -> None:
+    def request(self, args: dict[str, Any], on_step: Any) -> Any:
+        """The batch row for parsed ``args``, or an APIError (400) if it cannot run: checked before it queues."""
+        fields = {k: v for k, v in args.items() if k != "chat"}
+        try:
+            request = api.make_request(self.pair, chat=args["chat"], on_step=on_step, **fields)
+            if len(request.prompt_ids) + request.max_new_tokens > self.max_model_len:
+                raise APIError(400, f"the prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
+                               f"({request.max_new_tokens}) exceeds this server's --max-model-len "
+                               f"{self.max_model_len}: lower max_tokens or shorten the prompt", param="max_tokens")
+            api.check_request(self.pair, request)
+        except UsageError as exc:
+            raise APIError(400, str(exc)) from None
+        return request
+
+    def submit(self, args: dict[str, Any], loop: asyncio.AbstractEventLoop) -> tuple[Job, asyncio.Queue]:
+        """Queue a decode; its steps arrive as ("tokens", pairs) events and its end as ("done", generation) or
+        ("error", exception). Setting ``job.cancelled`` makes the row leave at its next step."""
+        events: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def on_step(pairs: list[tuple[int, str]]) -> bool:
+            loop.call_soon_threadsafe(events.put_nowait, ("tokens", pairs))
+            return not cancelled.is_set()
+
+        def done(gen: Any, exc: BaseException | None) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ("error", exc) if exc is not None else ("done", gen))
+
+        request = self.request(args, on_step)
         with self.lock:
-            if self.metrics.waiting + self.metrics.running > self.settings.max_queue:
+            if self.scheduler.queued() >= self.settings.max_queue:
                 raise APIError(429, f"the queue is full ({self.settings.max_queue} waiting): retry later",
                                kind="rate_limit_error")
-            self.metrics.waiting += 1
-
-    def decode(self, args: dict[str, Any], on_step: Any) -> Any:
-        """Runs on the worker thread."""
-        with self.lock:
-            self.metrics.waiting -= 1
-            self.metrics.running += 1
-        try:
-            return api.generate(self.pair, on_step=on_step, **args)
-        finally:
-            with self.lock:
-                self.metrics.running -= 1
+            job = Job(request, done, cancelled)
+            self.scheduler.submit(job)
+        return job, events
 
 
 def visible_text(tokenizer: Any, ids: list[int], stop: list[str]) -> tuple[str, bool]:
@@ -207,31 +230,34 @@ def create_app(pair: api.Pair, settings: Settings) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON") from None
         args = server.parse(body, chat)
-        server.admit()
+        job, events = server.submit(args, asyncio.get_running_loop())
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        loop = asyncio.get_running_loop()
         if not body.get("stream"):
+            first = None
             try:
-                gen = await loop.run_in_executor(server.worker, server.decode, args, None)
-            except UsageError as exc:
+                while (event := await events.get())[0] == "tokens":
+                    first = first or time.perf_counter()
+            except asyncio.CancelledError:  # the client went away: its row leaves at the next step
+                job.cancelled.set()
+                raise
+            if event[0] == "error":
                 server.metrics.count("request_failure")
-                raise APIError(400, str(exc)) from None
-            return JSONResponse(response_body(gen, args, rid, created, chat, arrived, server))
+                raise APIError(500, f"internal error while decoding: {event[1]}", kind="server_error") from None
+            return JSONResponse(response_body(event[1], args, rid, created, chat, arrived, first, server))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        job = start_job(server, args, loop)  # queued now: admitted requests always leave the queue
-        return StreamingResponse(stream(server, tokenizer, args, rid, created, chat, include_usage, arrived, job),
-                                 media_type="text/event-stream")
+        return StreamingResponse(stream(server, tokenizer, args, rid, created, chat, include_usage, arrived, job,
+                                        events), media_type="text/event-stream")
 
     def response_body(gen: Any, args: dict, rid: str, created: int, chat: bool, arrived: float,
-                      server: Server) -> dict[str, Any]:
+                      first: float | None, server: Server) -> dict[str, Any]:
         text, stopped = visible_text(tokenizer, gen.token_ids, args["stop"])
         reason = finish_reason(gen.stats, stopped)
         server.metrics.add_response(gen.stats)
         server.metrics.count("request_success")
         latency = time.perf_counter() - arrived
         server.metrics.observe("request_latency_seconds", latency)
-        server.metrics.observe("time_to_first_token_seconds", latency)
+        server.metrics.observe("time_to_first_token_seconds", (first - arrived) if first else latency)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
                   if chat else {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -255,36 +281,9 @@ def usage(stats: dict[str, Any]) -> dict[str, int]:
             "total_tokens": prompt + stats["new_tokens"]}
 
 
-@dataclass
-class Job:
-    events: asyncio.Queue
-    cancelled: threading.Event
-    future: asyncio.Future
-
-
-def start_job(server: Server, args: dict, loop: asyncio.AbstractEventLoop) -> Job:
-    """Queue a streaming decode on the worker; its steps arrive as events, ``cancelled`` stops it."""
-    events: asyncio.Queue = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def on_step(pairs: list[tuple[int, str]]) -> bool:
-        loop.call_soon_threadsafe(events.put_nowait, ("tokens", pairs))
-        return not cancelled.is_set()
-
-    def run() -> None:
-        try:
-            gen = server.decode(args, on_step)
-            loop.call_soon_threadsafe(events.put_nowait, ("done", gen))
-        except Exception as exc:  # reported in-band: the response has already started
-            loop.call_soon_threadsafe(events.put_nowait, ("error", exc))
-
-    return Job(events, cancelled, loop.run_in_executor(server.worker, run))
-
-
 async def stream(server: Server, tokenizer: Any, args: dict, rid: str, created: int, chat: bool,
-                 include_usage: bool, arrived: float, job: Job) -> Any:
+                 include_usage: bool, arrived: float, job: Job, events: asyncio.Queue) -> Any:
     """SSE chunks as the decode emits tokens; a disconnect (the generator closed) cancels the decode."""
-    events, cancelled, future = job.events, job.cancelled, job.future
     obj = "chat.completion.chunk" if chat else "text_completion"
     hold = max((len(s) for s in args["stop"]), default=1) - 1  # never send the start of a stop string
 
@@ -336,5 +335,4 @@ async def stream(server: Server, tokenizer: Any, args: dict, rid: str, created: 
             yield "data: [DONE]\n\n"
             break
     finally:
-        cancelled.set()  # a client gone mid-stream stops the decode at its next step
-        future.add_done_callback(lambda f: f.exception())  # the worker's end is not awaited, only observed
+        job.cancelled.set()  # a client gone mid-stream leaves the batch at its next step

@@ -9,7 +9,7 @@
 | pivotspec:pad_overrides | draft tokens SD rejected that PAD (or a relaxed rule) kept | - |
 | pivotspec:request_latency_seconds | request wall time, histogram | vllm:e2e_request_latency_seconds |
 | pivotspec:time_to_first_token_seconds | arrival to first token, histogram | vllm:time_to_first_token_seconds |
-| pivotspec:num_requests_waiting / _running | queue depth | vllm:num_requests_waiting / _running |
+| pivotspec:num_requests_waiting / _running | queued / in the batch | vllm:num_requests_waiting / _running |
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ class Metrics:
             self.counters["pad_overrides"] += spec["pad_overrides"]
             self.counters["generation_tokens"] += stats["new_tokens"]
             self.counters["prompt_tokens"] += stats.get("prompt_tokens", 0)
+
+    def set_queue(self, waiting: int, running: int) -> None:
+        """Requests queued for a free row, and rows decoding (vLLM's num_requests_waiting / _running)."""
+        with self.lock:
+            self.waiting, self.running = waiting, running
 
     def count(self, name: str) -> None:
         with self.lock:
