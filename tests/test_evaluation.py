@@ -173,3 +173,25 @@ def test_a_second_eval_on_a_busy_out_dir_leaves_the_file_alone(tiny_dir, data, t
         assert main(eval_args(tiny_dir, data, out)) == 2
         assert "another pivotspec process" in capsys.readouterr().err
         assert results.read_text() == half
+
+
+def test_batched_eval_rows_equal_batch1_and_report_throughput(tiny_dir, data, tmp_path, capsys):
+    """--batch-size 3 (draft-only rows too): every row's completion, score and token sources equal the batch-1
+    run's; the summary gives tokens/s and no per-problem speedup; the batch size is part of the run's identity."""
+    one, three = tmp_path / "one", tmp_path / "three"
+    args = ["--methods", "ar,draft,sd,pad", "--n", "5"]
+    assert main(eval_args(tiny_dir, data, one, *args)) == 0
+    assert main(eval_args(tiny_dir, data, three, *args, "--batch-size", "3", "--json")) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])["methods"]
+    key = lambda r: (r["problem_id"], r["method"])  # noqa: E731
+    rows1 = sorted(read_records(one / "results.jsonl"), key=key)
+    rows3 = sorted(read_records(three / "results.jsonl"), key=key)
+    assert len(rows3) == 5 * 7  # ar, draft, sd, pad at two sigmas, two baselines
+    for a, b in zip(rows1, rows3, strict=True):
+        assert (a["completion"], a["score"], a["trace"]) == (b["completion"], b["score"], b["trace"]), key(a)
+        assert b["stats"]["batch_size"] == 3 and b["stats"]["draft_forwards"] == a["stats"]["draft_forwards"]
+    for s in summary.values():
+        assert s["speedup"] is None and s["tokens_per_s"] > 0 and s["batch_size"] == 3
+    assert "tokens/s" in (three / "summary.md").read_text()
+    assert main(eval_args(tiny_dir, data, three, *args)) == 2  # batch 1 must not resume batch 3's rows
+    assert "batch_size" in capsys.readouterr().err

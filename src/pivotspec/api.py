@@ -251,6 +251,8 @@ def check_evaluate(settings: EvalSettings) -> Task:
                    settings.stop)
     if settings.n < 1:
         raise UsageError(f"--n must be >= 1, got {settings.n}")
+    if settings.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {settings.batch_size}")
     task = get_task(settings.task, settings.data)
     if settings.out is not None:
         ensure_writable_dir(Path(settings.out))

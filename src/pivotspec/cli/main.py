@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--baseline", action="append", default=[],
                     help="one relaxed rule with knobs, e.g. topk:k=3,ratio=0.2 (repeatable; default: none)")
     ev.add_argument("--no-chat", action="store_true", help="plain prompts instead of the chat template")
+    ev.add_argument("--batch-size", type=int, default=1, help="rows decoded together (same outputs when greedy; "
+                    "> 1 reports throughput instead of per-problem speedups)")
     ev.add_argument("--out", type=Path, help="write results.jsonl, summary.json/md, pareto.png, report.html here; "
                     "rerunning the same command resumes")
     ev.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming")
@@ -145,7 +147,8 @@ def _eval_settings(args: argparse.Namespace) -> api.EvalSettings:
                             gamma=args.gamma, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
                             chat_template_kwargs=args.chat_template_kwargs, stop=args.stop,
-                            classifier=args.classifier, out=args.out, overwrite=args.overwrite)
+                            classifier=args.classifier, out=args.out, overwrite=args.overwrite,
+                            batch_size=args.batch_size)
 
 
 def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

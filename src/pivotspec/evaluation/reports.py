@@ -35,6 +35,14 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
                      f"{paired_cell(paired.get('sd'))} | {fmt(s['eta'], '.3f')} | "
                      f"{fmt(s['tau'], '.2f')} | {fmt(s['target_forwards_per_token'], '.3f')} | "
                      f"{fmt(s['ms_per_token'], '.1f')} | {fmt(s['speedup'], '.2f', 'x')} | {iqr} |")
+    batched = {s["batch_size"] for s in summary.values() if "batch_size" in s}
+    if batched:  # throughput columns; speedups need one decode at a time
+        lines[0] += " tokens/s |"
+        lines[1] += "---|"
+        for i, s in enumerate(summary.values(), start=2):
+            lines[i] += f" {fmt(s.get('tokens_per_s'), '.1f')} |"
+        lines.append(f"\nDecoded {max(batched)} rows at a time (--batch-size): ms/token and tokens/s are throughput; "
+                     "speedups are per problem at batch 1 only (rerun with --batch-size 1).")
     return "\n".join(lines)
 
 
@@ -80,7 +88,7 @@ def report_html(rows: list[dict[str, Any]], summary: dict[str, Any], problems: l
     legend = " ".join(f'<span class="tok {k}">{html.escape(v)}</span>' for k, v in MEANING.items())
     css = "".join(f".{k}{{background:{c}}}" for k, c in COLOURS.items())
     table_rows = []
-    for line in format_table(summary).splitlines()[2:]:
+    for line in format_table(summary).splitlines()[2:2 + len(summary)]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         table_rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     header = [c.strip() for c in format_table(summary).splitlines()[0].strip("|").split("|")]

@@ -22,6 +22,7 @@ from typing import Any
 from pivotspec.classifier.model import CONFIG, WEIGHTS
 from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR, PAD
 from pivotspec.decoding.baselines import label as baseline_label
+from pivotspec.decoding.batch import Request, decode_many
 from pivotspec.decoding.loop import decode
 from pivotspec.decoding.models import LM, eos_ids
 from pivotspec.decoding.sampling import SamplingConfig
@@ -44,42 +45,75 @@ class MethodSpec:
 def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], target: LM | None, draft: LM | None, *,
              chat: bool = True, progress: Callable[[int, int], None] | None = None,
              done: set[tuple[str, str]] | None = None, emit: Callable[[dict], None] | None = None,
-             warmup: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+             warmup: bool = True, chat_template_kwargs: dict[str, Any] | None = None, batch_size: int = 1,
              **decode_kwargs: Any) -> list[dict[str, Any]]:
     """One row per (problem, method): the completion, its score, its stats and its per-token trace.
     Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists. With ``warmup``,
     every method first decodes the first problem still to do once, untimed and unrecorded; the method
-    order then rotates by one per problem."""
+    order then rotates by one per problem (per chunk of problems when ``batch_size`` > 1: each method then
+    decodes a chunk of 4 x ``batch_size`` problems with at most ``batch_size`` rows at a time)."""
 
     lm = target or draft
     stop_ids = eos_ids(lm)
     stops = list(getattr(task, "stop_strings", [])) + list(decode_kwargs.pop("stop_strings", None) or [])
 
+    def kwargs_for(spec: MethodSpec) -> dict[str, Any]:
+        return decode_kwargs if spec.gamma is None else {**decode_kwargs, "gamma": spec.gamma}
+
     def run(spec: MethodSpec, ids: list[int]) -> Any:
-        kwargs = decode_kwargs if spec.gamma is None else {**decode_kwargs, "gamma": spec.gamma}
-        return decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops, **kwargs)
+        return decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops,
+                      **kwargs_for(spec))
+
+    def row(problem: Problem, spec: MethodSpec, gen: Any) -> dict[str, Any]:
+        return {"problem_id": problem.id, "method": spec.label, "completion": gen.text,
+                "score": task.score(problem, gen.text), "stats": gen.stats,
+                "trace": [[lm.tokenizer.decode([t]), s] for t, s in gen.trace]}
 
     todo = [p for p in problems if not done or any((p.id, s.label) not in done for s in specs)]
     if todo and warmup:  # untimed: the first decode of a process pays for lazy initialisation
         for spec in specs:
             run(spec, encode_problem(lm.tokenizer, todo[0], chat, chat_template_kwargs))
     rows = []
-    for i, problem in enumerate(problems):
-        ids = encode_problem(lm.tokenizer, problem, chat, chat_template_kwargs)
-        shift = i % len(specs)  # rotate the order, so no method always runs first (or right after another)
+    chunk = 1 if batch_size == 1 else 4 * batch_size
+    for c, first in enumerate(range(0, len(problems), chunk)):
+        part = problems[first: first + chunk]
+        ids = [encode_problem(lm.tokenizer, p, chat, chat_template_kwargs) for p in part]
+        shift = c % len(specs)  # rotate the order, so no method always runs first (or right after another)
         for spec in specs[shift:] + specs[:shift]:
-            if done and (problem.id, spec.label) in done:
-                continue
-            gen = run(spec, ids)
-            row = {"problem_id": problem.id, "method": spec.label, "completion": gen.text,
-                   "score": task.score(problem, gen.text), "stats": gen.stats,
-                   "trace": [[lm.tokenizer.decode([t]), s] for t, s in gen.trace]}
-            rows.append(row)
-            if emit:
-                emit(row)
+            mine = [i for i, p in enumerate(part) if not done or (p.id, spec.label) not in done]
+            if batch_size == 1:
+                gens = [run(spec, ids[i]) for i in mine]
+            else:
+                gens = decode_batched(spec, [ids[i] for i in mine], target, draft, batch_size,
+                                      eos_ids=stop_ids, stop_strings=stops, **kwargs_for(spec))
+            for i, gen in zip(mine, gens, strict=True):
+                rows.append(row(part[i], spec, gen))
+                if emit:
+                    emit(rows[-1])
         if progress:
-            progress(i + 1, len(problems))
+            progress(first + len(part), len(problems))
     return rows
+
+
+def decode_batched(spec: MethodSpec, prompts: list[list[int]], target: LM | None, draft: LM | None,
+                   batch_size: int, *, cfg: SamplingConfig | None = None, gamma: int = 5, max_new_tokens: int = 128,
+                   eos_ids: set[int] | None = None, stop_strings: list[str] | None = None,
+                   seed: int = 0) -> list[Any]:
+    """One method over many prompts, ``batch_size`` rows at a time. Each row's stats also get the batch
+    size and its share of the pass's wall time (``batch_share_s``: pass wall / rows), whose sum over the
+    rows is what the pass took: throughput comes from it, since a row's own wall time overlaps the others'."""
+    speculate = spec.method in ("sd", "pad")
+    requests = [Request(ids, policy=spec.policy if spec.method == "pad" else None, cfg=cfg or SamplingConfig(),
+                        gamma=gamma, max_new_tokens=max_new_tokens, eos_ids=eos_ids or set(),
+                        stop_strings=list(stop_strings or []), seed=seed, speculate=speculate, method=spec.method)
+                for ids in prompts]
+    start = time.perf_counter()
+    lm = draft if spec.method == "draft" else target
+    gens = decode_many(lm, requests, draft=draft if speculate else None, max_batch=batch_size)
+    share = (time.perf_counter() - start) / max(1, len(gens))
+    for gen in gens:
+        gen.stats.update(batch_size=batch_size, batch_share_s=share)
+    return gens
 
 
 def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] | None = None,
@@ -171,6 +205,7 @@ class EvalSettings:
     classifier: str | None = None  # for the run's fingerprint (PAD rows are tied to the classifier's files)
     out: Path | None = None
     overwrite: bool = False
+    batch_size: int = 1  # > 1: rows decode together (throughput; a row's wall time then overlaps the others')
 
 
 def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs: list[MethodSpec],
@@ -187,7 +222,8 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
               "draft": draft.name if draft else None, "chat": st.chat}
     # Settings added later enter the identity only when used, so earlier runs still resume.
     config.update({k: v for k, v in (("chat_template_kwargs", st.chat_template_kwargs), ("stop", st.stop),
-                                     ("placement", placement(target, draft))) if v})
+                                     ("placement", placement(target, draft)),
+                                     ("batch_size", st.batch_size if st.batch_size > 1 else None)) if v})
     start = time.perf_counter()
 
     def progress(i: int, total: int) -> None:
@@ -206,7 +242,7 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
                         emit=(lambda r: append_record(fh, {**r, "run": tag})) if fh else None,
                         cfg=SamplingConfig(st.temperature, st.top_k, st.top_p), gamma=st.gamma,
                         max_new_tokens=st.max_new_tokens, seed=st.seed, stop_strings=st.stop,
-                        chat_template_kwargs=st.chat_template_kwargs)
+                        chat_template_kwargs=st.chat_template_kwargs, batch_size=st.batch_size)
     wanted = {p.id for p in problems}
     rows = [r for r in earlier if r["problem_id"] in wanted] + rows
     summary = summarize(rows)

@@ -53,7 +53,9 @@ def paired_comparison(rows: list[dict[str, Any]], method: str, reference: str) -
 def summarize(rows: list[dict[str, Any]], baseline: str = "ar",
               references: tuple[str, ...] = ("ar", "sd")) -> dict[str, dict[str, Any]]:
     """Aggregate rows per method; ratios of sums, so long completions weigh by their length. Each method's
-    accuracy is also compared, paired by problem, with each of ``references`` that ran."""
+    accuracy is also compared, paired by problem, with each of ``references`` that ran. Rows decoded in
+    batches (``batch_size`` > 1 in their stats) get throughput (tokens/s, and ms/token as its inverse) and no
+    speedups: their wall times overlap."""
     out: dict[str, dict[str, Any]] = {}
     base_wall = {r["problem_id"]: r["stats"]["wall_s"] for r in rows if r["method"] == baseline}
     for label in dict.fromkeys(r["method"] for r in rows):
@@ -65,6 +67,8 @@ def summarize(rows: list[dict[str, Any]], baseline: str = "ar",
         drafted = sum(r["stats"]["drafted"] for r in mine)
         kept = sum(r["stats"]["accepted"] + r["stats"]["override"] for r in mine)
         correct = sum(r["score"] for r in mine)
+        # Rows decoded in a batch overlap in time: per-problem speedups mean nothing there, throughput does.
+        batched = any(r["stats"].get("batch_size", 1) > 1 for r in rows)
         ratios = [base_wall[r["problem_id"]] / r["stats"]["wall_s"] for r in mine
                   if r["problem_id"] in base_wall and r["stats"]["wall_s"] > 0]
         paired = [r for r in mine if r["problem_id"] in base_wall]
@@ -79,10 +83,15 @@ def summarize(rows: list[dict[str, Any]], baseline: str = "ar",
             "wall_s": wall,
             "new_tokens": tokens,
             "speedup": (sum(base_wall[r["problem_id"]] for r in paired) / sum(r["stats"]["wall_s"] for r in paired)
-                        if paired and base_wall else None),
-            "speedup_median": statistics.median(ratios) if ratios else None,
-            "speedup_iqr": _quartiles(ratios) if ratios else None,
+                        if paired and base_wall and not batched else None),
+            "speedup_median": statistics.median(ratios) if ratios and not batched else None,
+            "speedup_iqr": _quartiles(ratios) if ratios and not batched else None,
             "paired": {ref: paired_comparison(rows, label, ref) for ref in references if ref != label
                        and any(r["method"] == ref for r in rows)},
         }
+        if batched:
+            pass_s = sum(r["stats"].get("batch_share_s", r["stats"]["wall_s"]) for r in mine)
+            out[label].update(batch_size=max(r["stats"].get("batch_size", 1) for r in mine),
+                              tokens_per_s=tokens / pass_s if pass_s else None,
+                              ms_per_token=1000 * pass_s / tokens if tokens else None)
     return out
