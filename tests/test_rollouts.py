@@ -68,3 +68,32 @@ def test_sliding_window_models_roll_out_one_prefix_at_a_time(tmp_path):
         alone = [batched_rollouts(lm, r.prefix, r.first_tokens, cfg, r.max_tokens, {1}, r.generator)
                  for r in requests(5, lm)]
         assert TorchEngine(lm).rollouts_many(requests(5, lm), cfg, {1}) == alone
+
+
+def test_policy_rollouts_are_batch1_decodes_of_the_policy(tiny_dir, load):
+    """Every continuation is what ``decode`` gives for prefix + first token under the same policy and the row's
+    seed (drawn from the request's generator), whether its request is batched with others or alone."""
+    from pivotspec.decoding.acceptance import PAD, constant_classifier
+    from pivotspec.decoding.loop import decode
+    from pivotspec.labels.rollouts import PolicyEngine
+
+    target, draft = load(tiny_dir["llama_target"]), load(tiny_dir["llama_draft"])
+    pad = PAD(constant_classifier(0.2), sigma=0.5, p_floor=0.0)  # keeps drafts SD would reject
+    engine = PolicyEngine(target, draft, pad, gamma=3)
+    cfg = SamplingConfig(1.0, 0, 1.0)
+    together = engine.rollouts_many(requests(7, target), cfg, {1})
+    alone = [engine.rollouts(r.prefix, r.first_tokens, cfg, r.max_tokens, {1}, r.generator)
+             for r in requests(7, target)]
+    assert together == alone
+    overrides = 0
+    for r, outs in zip(requests(7, target), together, strict=True):
+        seeds = torch.randint(0, 2**62, (len(r.first_tokens),), generator=r.generator).tolist()
+        for t, seed, out in zip(r.first_tokens, seeds, outs, strict=True):
+            if t == 1:
+                assert out == [1]
+                continue
+            ref = decode("pad", target, draft, r.prefix + [t], pad, cfg=cfg, gamma=3, max_new_tokens=r.max_tokens - 1,
+                         eos_ids={1}, seed=seed)
+            assert out == [t] + ref.token_ids
+            overrides += ref.stats["override"]
+    assert overrides > 0  # the policy did act

@@ -24,7 +24,7 @@ from pivotspec.classifier.training import Filters, evaluate_on_labels, probabili
 from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR
 from pivotspec.decoding.batch import Batch, Request, decode_many
 from pivotspec.decoding.loop import METHODS, Generation, check_fits, decode
-from pivotspec.decoding.models import LM, PAIRS, check_same_tokenizer, eos_ids, load_lm
+from pivotspec.decoding.models import LM, PAIRS, check_same_tokenizer, eos_ids, load_lm, resolve
 from pivotspec.decoding.sampling import SamplingConfig
 from pivotspec.errors import UsageError
 from pivotspec.evaluation import reports, runs, summary
@@ -81,6 +81,12 @@ def resolve_names(target: str | None, draft: str | None, pair: str | None,
     if needs_draft and not draft:
         raise UsageError("this method needs a draft model: pass --draft MODEL or --pair testbed")
     return target, draft
+
+
+def model_dir(name: str) -> Path | str:
+    """Where a model spec's Hugging Face files are (a registered name is built or converted on first use), for
+    tools that read them directly, such as a load generator's tokenizer."""
+    return resolve(name)[0]
 
 
 def load_pair(target: str | None = None, draft: str | None = None, *, pair: str | None = None,

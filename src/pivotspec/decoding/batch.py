@@ -107,25 +107,32 @@ class Batch:
         self.caches = {id(m): SlotCache(m.model.config, next(m.model.parameters()).dtype, m.device)
                        for m in self.models}
         self.rows: list[Row] = []
+        self._prefilled: tuple[list[int], dict[int, Any]] | None = None  # the last prompt prefilled, per model
 
     def check(self, request: Request) -> None:
         """Raise a UsageError if the request cannot run here (empty prompt, too long for a model)."""
         check_fits(request.prompt_ids, request.max_new_tokens, *self.models)
 
     def add(self, request: Request) -> Row:
-        """Admit a row: its prompt (all but the last token) is prefilled alone and copied into the batch."""
+        """Admit a row: its prompt (all but the last token) is prefilled alone and copied into the batch. Rows
+        whose prompts share everything but the last token (N rollouts from one prefix) share one prefill."""
         self.check(request)
         row = Row(request, self.target)
         prompt = request.prompt_ids
         start = time.perf_counter()
         forward_before = sum(m.forward_s for m in self.models)
+        if self._prefilled is None or self._prefilled[0] != prompt[:-1]:
+            prefills = {}
+            for m in self.models:
+                m.reset()
+                if len(prompt) > 1:
+                    m.forward(prompt[:-1], keep_logits=0)
+                prefills[id(m)] = m.cache if len(prompt) > 1 else None
+                m.cache, m.cached_ids = None, []  # the batch holds the keys now
+            self._prefilled = (list(prompt[:-1]), prefills)
         for m in self.models:
-            m.reset()
-            if len(prompt) > 1:
-                m.forward(prompt[:-1], keep_logits=0)
-            self.caches[id(m)].add_row(m.cache if len(prompt) > 1 else None, len(prompt) - 1)
+            self.caches[id(m)].add_row(self._prefilled[1][id(m)], len(prompt) - 1)
             row.cached[id(m)] = list(prompt[:-1])
-            m.cache, m.cached_ids = None, []  # the batch holds the keys now
         row.stats["prefill_s"] = time.perf_counter() - start
         row.stats["prefill_forward_s"] = sum(m.forward_s for m in self.models) - forward_before
         self.rows.append(row)
@@ -153,6 +160,7 @@ class Batch:
             self._finish_step(row, proposal, d, logits, h, t1 - t0, t2 - t1, forward_s)
             if row.stop is not None or len(row.new) >= row.request.max_new_tokens:
                 done.append(row)
+        self._prefilled = None  # a step boundary: the next row's prefill is its own (it holds memory otherwise)
         if done:
             keep = [b for b, row in enumerate(rows) if row not in done]
             for cache in self.caches.values():

@@ -193,6 +193,45 @@ class TorchEngine:
         pass
 
 
+class PolicyEngine:
+    """Rollouts that continue under a decoding policy instead of the target alone: draft + target + acceptance
+    policy (PAD at its sigma, or lossless SD, which samples the target's own distribution) at the labeling
+    temperature, every continuation of every request a row of one batch (``decoding.batch``). Each row is
+    seeded from its request's generator, so a request's rollouts do not depend on what it is batched with."""
+
+    name = "policy"
+
+    def __init__(self, target: LM, draft: LM, policy: Any, gamma: int = 5):
+        self.target, self.draft, self.policy, self.gamma = target, draft, policy, gamma
+
+    def rollouts(self, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
+                 stop_ids: set[int], generator: torch.Generator) -> list[list[int]]:
+        return self.rollouts_many([RolloutRequest(prefix, first_tokens, generator, max_tokens)], cfg, stop_ids)[0]
+
+    def rollouts_many(self, requests: list[RolloutRequest], cfg: SamplingConfig,
+                      stop_ids: set[int]) -> list[list[list[int]]]:
+        from pivotspec.decoding.batch import Request, decode_many
+
+        rows, where = [], []
+        for k, r in enumerate(requests):
+            seeds = torch.randint(0, 2**62, (len(r.first_tokens),), generator=r.generator).tolist()
+            for j, (t, seed) in enumerate(zip(r.first_tokens, seeds, strict=True)):
+                if t in stop_ids or r.max_tokens <= 1:
+                    continue
+                rows.append(Request(r.prefix + [t], policy=self.policy, cfg=cfg, gamma=self.gamma,
+                                    max_new_tokens=r.max_tokens - 1, eos_ids=stop_ids, seed=seed, method="pad"))
+                where.append((k, j))
+        outs = [[[t] for t in r.first_tokens] for r in requests]
+        # Rows of one request are added together and share its prefix's prefill.
+        for (k, j), gen in zip(where, decode_many(self.target, rows, draft=self.draft, max_batch=max(1, len(rows))),
+                               strict=True):
+            outs[k][j] += gen.token_ids
+        return outs
+
+    def close(self) -> None:
+        pass
+
+
 def group_requests(first_tokens: list[int]) -> list[tuple[int, int]]:
     """(first token, how many) in order of first appearance: one engine request with n = count each."""
     counts: dict[int, int] = {}

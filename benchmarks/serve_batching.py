@@ -1,0 +1,178 @@
+"""`pivotspec serve` under load from guidellm (vLLM's serving benchmark tool): continuous batching against one
+decode at a time, in the same run.
+
+    python benchmarks/serve_batching.py --concurrency 1,4,8,16 --method pad
+
+Starts two servers as a user would (`pivotspec serve --pair testbed --max-batch 1` and `--max-batch 8`, one
+process each, one loaded at a time under load), then for each concurrency level runs guidellm's
+`concurrent` profile against each (which one goes first alternates by level) on arith test problems sent
+as chat messages (streaming, greedy). Reports output tokens/s (all output tokens over the level's wall
+time), time to first token and request latency (p50, p95) and errors, and checks that every greedy
+response of the batching server equals the same prompt's response from the one-at-a-time server.
+guidellm runs from its own environment (`--guidellm`, default .venv-bench/bin/guidellm: install the CPU
+torch there first, then `pip install guidellm==0.8.1`). Writes benchmarks/results/serve_batching.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(pair: str, method: str, max_batch: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pivotspec.cli", "serve", "--pair", pair, "--method", method, "--port", str(port),
+           "--max-batch", str(max_batch), "--max-queue", "256", "--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited: see {log}") from None
+            time.sleep(0.1)
+    raise SystemExit(f"the server did not start: see {log}")
+
+
+def model_name(url: str) -> str:
+    return json.loads(urllib.request.urlopen(url + "/v1/models", timeout=30).read())["data"][0]["id"]
+
+
+def warm_up(url: str, messages: list[dict]) -> None:
+    body = {"model": model_name(url), "messages": messages, "max_tokens": 16}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=600).read()
+
+
+def run_guidellm(guidellm: str, url: str, tokenizer: str, data: Path, streams: int, requests: int,
+                 max_tokens: int, out: Path) -> dict:
+    scenario = {"spec": {
+        "backend": {"kind": "openai_http", "target": url, "model": model_name(url),
+                    "request_format": "/v1/chat/completions", "stream": True, "max_tokens": max_tokens},
+        "profile": {"kind": "concurrent", "streams": streams},
+        "data": [{"kind": "json_file", "path": str(data)}],
+        "constraints": [{"kind": "max_requests", "count": requests}]}}
+    spec = out.with_suffix(".scenario.json")
+    spec.write_text(json.dumps(scenario))
+    cmd = [guidellm, "run", "-c", str(spec), "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+           "--output", f"kind=json,path={out}", "--disable-console"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=3600)
+    return json.loads(out.read_text())
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def summarize(report: dict) -> dict:
+    """Throughput over the level's wall time, and latency percentiles over its successful requests."""
+    bench = report["benchmarks"][0]
+    ok, errored = bench["requests"]["successful"], bench["requests"]["errored"]
+    start = min(r["request_start_time"] for r in ok)
+    end = max(r["request_end_time"] for r in ok)
+    tokens = sum(r["output_tokens"] for r in ok)
+    ttft = [r["time_to_first_token_ms"] / 1000 for r in ok if r["time_to_first_token_ms"] is not None]
+    latency = [r["request_latency"] for r in ok]
+    outputs = {json.dumps(json.loads(r["request_args"])["body"]["messages"]): r["output"] for r in ok}
+    return {"requests": len(ok) + len(errored), "errors": len(errored),
+            "incomplete": len(bench["requests"]["incomplete"]), "output_tokens": tokens, "wall_s": end - start,
+            "output_tokens_per_s": tokens / (end - start), "ttft_p50_s": statistics.median(ttft),
+            "ttft_p95_s": pct(ttft, 0.95), "latency_p50_s": statistics.median(latency),
+            "latency_p95_s": pct(latency, 0.95), "outputs": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="testbed")
+    ap.add_argument("--method", default="pad")
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency, >= 8)")
+    ap.add_argument("--max-batch", type=int, default=8, help="the batching server's --max-batch")
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--guidellm", default=str(ROOT / ".venv-bench" / "bin" / "guidellm"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_batching.json"))
+    args = ap.parse_args()
+    if not (Path(args.guidellm).is_file() or shutil.which(args.guidellm)):
+        raise SystemExit(f"guidellm not found at {args.guidellm}: make .venv-bench (CPU torch, then "
+                         "guidellm==0.8.1) or pass --guidellm")
+    from pivotspec import api
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    problems = api.get_task(api.pair_task(args.pair)).problems("test", max(max(levels) * 2, 8, args.requests),
+                                                               seed=1)
+    work = Path(tempfile.mkdtemp(prefix="serve_batching."))
+    tokenizer = str(api.model_dir(api.resolve_names(None, None, args.pair)[0]))
+    servers = {}
+    for batch in (1, args.max_batch):
+        servers[batch] = start_server(args.pair, args.method, batch, args.threads, work / f"server{batch}.log")
+        warm_up(servers[batch][1], problems[0].messages)
+    results: dict[str, dict] = {}
+    try:
+        for i, c in enumerate(levels):
+            n = args.requests or max(8, 2 * c)
+            data = work / f"prompts{c}.jsonl"  # exactly the level's requests: both servers get the same prompts
+            data.write_text("".join(json.dumps({"messages": p.messages}) + "\n" for p in problems[:n]))
+            order = [1, args.max_batch] if i % 2 == 0 else [args.max_batch, 1]
+            for batch in order:
+                report = run_guidellm(args.guidellm, servers[batch][1], tokenizer, data, c, n, args.max_tokens,
+                                      work / f"c{c}-b{batch}.json")
+                results[f"{c}/{batch}"] = summarize(report)
+                r = results[f"{c}/{batch}"]
+                print(f"concurrency {c}, --max-batch {batch}: {r['output_tokens_per_s']:.1f} tokens/s, "
+                      f"TTFT p50 {r['ttft_p50_s']:.2f} s, errors {r['errors']}", file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+    rows = []
+    for c in levels:
+        one, many = results[f"{c}/1"], results[f"{c}/{args.max_batch}"]
+        same = sum(many["outputs"][k] == one["outputs"].get(k) for k in many["outputs"])
+        rows.append({"concurrency": c, "one_at_a_time": {k: v for k, v in one.items() if k != "outputs"},
+                     "batched": {k: v for k, v in many.items() if k != "outputs"},
+                     "throughput_ratio": many["output_tokens_per_s"] / one["output_tokens_per_s"],
+                     "ttft_p50_ratio": many["ttft_p50_s"] / one["ttft_p50_s"],
+                     "identical_responses": f"{same}/{len(many['outputs'])}"})
+    meta = {"pair": args.pair, "method": args.method, "max_batch": args.max_batch, "max_tokens": args.max_tokens,
+            "threads": args.threads, "cpu": os.cpu_count(), "load_generator": "guidellm 0.8.1 (concurrent profile)"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "levels": rows}, indent=1))
+    print(f"{args.pair} pair, {args.method}, greedy, streaming chat; guidellm concurrent profile; "
+          f"--max-batch 1 vs {args.max_batch}, same run")
+    print("| clients | max-batch | output tok/s | TTFT p50 | TTFT p95 | latency p50 | latency p95 | errors | "
+          "throughput vs batch 1 | TTFT p50 vs batch 1 | identical to batch 1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        for name, batch in (("one_at_a_time", 1), ("batched", args.max_batch)):
+            r = row[name]
+            extra = (f"{row['throughput_ratio']:.2f}x | {row['ttft_p50_ratio']:.2f}x | {row['identical_responses']}"
+                     if batch != 1 else "- | - | -")
+            print(f"| {row['concurrency']} | {batch} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} s | "
+                  f"{r['ttft_p95_s']:.2f} s | {r['latency_p50_s']:.2f} s | {r['latency_p95_s']:.2f} s | "
+                  f"{r['errors']} | {extra} |")
+
+
+if __name__ == "__main__":
+    main()
