@@ -108,7 +108,8 @@ def main() -> None:
     ap.add_argument("--pair", default="testbed")
     ap.add_argument("--method", default="pad")
     ap.add_argument("--concurrency", default="1,4,8,16")
-    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency, >= 8)")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests per level (default: 4 x concurrency, >= 8: mostly a full batch, little tail)")
     ap.add_argument("--max-batch", type=int, default=8, help="the batching server's --max-batch")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=2)
@@ -121,7 +122,7 @@ def main() -> None:
     from pivotspec import api
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    problems = api.get_task(api.pair_task(args.pair)).problems("test", max(max(levels) * 2, 8, args.requests),
+    problems = api.get_task(api.pair_task(args.pair)).problems("test", max(max(levels) * 4, 8, args.requests),
                                                                seed=1)
     work = Path(tempfile.mkdtemp(prefix="serve_batching."))
     tokenizer = str(api.model_dir(api.resolve_names(None, None, args.pair)[0]))
@@ -132,7 +133,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     try:
         for i, c in enumerate(levels):
-            n = args.requests or max(8, 2 * c)
+            n = args.requests or max(8, 4 * c)
             data = work / f"prompts{c}.jsonl"  # exactly the level's requests: both servers get the same prompts
             data.write_text("".join(json.dumps({"messages": p.messages}) + "\n" for p in problems[:n]))
             order = [1, args.max_batch] if i % 2 == 0 else [args.max_batch, 1]

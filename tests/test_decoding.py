@@ -182,3 +182,14 @@ def test_reduced_vocab_draft_drafts_without_full_vocab_logits(tiny_dir, load, tm
         assert sd.token_ids == ar.token_ids
         dr = decode("draft", None, draft, ids, max_new_tokens=6, eos_ids=set())
         assert set(dr.token_ids) <= set(token_ids)
+
+
+def test_the_cache_goes_by_the_name_the_model_takes(tiny_dir, load):
+    """transformers 5.24 takes ``cache`` (and the old name, with a warning); 5.17, on the GPU machines, only
+    ``past_key_values``: an unknown keyword would vanish into ``**kwargs`` and the model run without its cache."""
+    import types
+
+    lm = load(tiny_dir["llama_target"])
+    assert list(lm.with_cache("C")) == ["cache"]
+    old = types.SimpleNamespace(forward=lambda input_ids=None, past_key_values=None, **kwargs: None)
+    assert lm.__class__.with_cache(types.SimpleNamespace(model=old), "C") == {"past_key_values": "C"}

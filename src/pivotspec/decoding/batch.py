@@ -109,6 +109,10 @@ class Batch:
         self.rows: list[Row] = []
         self._prefilled: tuple[list[int], dict[int, Any]] | None = None  # the last prompt prefilled, per model
 
+    def cache_bytes(self) -> int:
+        """Bytes the batch's KV caches hold now (every model, allocated capacity included)."""
+        return sum(layer.keys.nbytes + layer.values.nbytes for c in self.caches.values() for layer in c.layers)
+
     def check(self, request: Request) -> None:
         """Raise a UsageError if the request cannot run here (empty prompt, too long for a model)."""
         check_fits(request.prompt_ids, request.max_new_tokens, *self.models)
@@ -264,7 +268,7 @@ class Batch:
         start = time.perf_counter()
         try:
             out = lm.model(input_ids=ids if lm.input_map is None else lm.input_map[ids], attention_mask=masks,
-                           position_ids=positions, cache=cache, use_cache=True, logits_to_keep=width)
+                           position_ids=positions, **lm.with_cache(cache), use_cache=True, logits_to_keep=width)
         finally:
             for h in handles:
                 h.remove()

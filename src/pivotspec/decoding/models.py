@@ -232,6 +232,15 @@ class LM:
                              f"{self.name}: pick a layer this model has")
         return resolved
 
+    def with_cache(self, cache: Any) -> dict[str, Any]:
+        """The keyword that hands ``cache`` to this model's forward: ``cache`` from transformers 5.24 (which
+        still takes the old name with a warning), ``past_key_values`` before it. An unknown keyword would be
+        swallowed by ``**kwargs`` and the model would decode without its cache, silently."""
+        import inspect
+
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        return {name: cache}
+
     def reset(self) -> None:
         from pivotspec.decoding.kvcache import growing_cache
 
@@ -270,7 +279,7 @@ class LM:
             inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
             out = self.model(
                 input_ids=inputs if self.input_map is None else self.input_map[inputs],
-                cache=self.cache,
+                **self.with_cache(self.cache),
                 use_cache=True,
                 logits_to_keep=max(keep_logits, 1),
             )

@@ -154,7 +154,8 @@ def _decode_rows(lm: LM, requests: list[RolloutRequest], cache: Any, mask: torch
             mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype, device=mask.device)], dim=1)
             extra = {"attention_mask": mask, "position_ids": position[:, None]}
         model_inputs = inputs if lm.input_map is None else lm.input_map[inputs]
-        logits = lm.model(input_ids=model_inputs, cache=cache, use_cache=True, logits_to_keep=1, **extra).logits[:, -1]
+        logits = lm.model(input_ids=model_inputs, **lm.with_cache(cache), use_cache=True, logits_to_keep=1,
+                          **extra).logits[:, -1]
         position = position + 1
         for k, request in enumerate(requests):  # each request samples its own live rows with its own generator
             rows = [j for j, i in enumerate(batch) if i in live and owner[i] == k]
