@@ -334,3 +334,51 @@ def test_shards_cover_each_problem_once_and_merge_to_the_unsharded_run(tiny_dir,
     assert main(["labels", "merge", str(tmp_path / "x.jsonl"), str(shards[0]), str(other)]) == 2
     assert "different config" in capsys.readouterr().err
     assert main([*base, "--shard", "3/3", "--out", str(other)]) == 2
+
+
+def test_on_policy_labels_walk_where_the_policy_goes_and_name_it(pair, tmp_path):
+    """--rollout-policy pad: a policy that keeps every draft walks d at every candidate, one that keeps none
+    walks t (the trajectory of --follow target); each record says what the policy did, the config names the
+    policy, and a file labeled under one policy is not resumed under another."""
+    from pivotspec.decoding.acceptance import PAD, constant_classifier
+
+    task = toy(pair, n=2)
+    keep_all = PAD(constant_classifier(0.0), sigma=1.0, p_floor=0.0)
+    keep_none = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
+    on = {**CFG, "rollout_policy": "pad", "follow": "policy"}
+    recs = run_labeling(*pair, task, task.problems("train", 2), LabelConfig(**on, policy="keep-all"),
+                        tmp_path / "all.jsonl", progress=False, policy=keep_all)
+    cands = [r for r in recs if r["type"] == "candidate"]
+    assert cands and all(r["policy_kept"] == 1 for r in cands)
+    assert all(r["config"]["rollout_policy"] == "pad" and r["config"]["policy"] == "keep-all" for r in cands)
+    for a, b in zip(cands, cands[1:], strict=False):  # the next candidate's prefix holds the kept d
+        if a["problem_id"] == b["problem_id"]:
+            assert b["prefix_ids"][len(a["prefix_ids"])] == a["d"]
+    none = run_labeling(*pair, task, task.problems("train", 2), LabelConfig(**on, policy="keep-none"),
+                        tmp_path / "none.jsonl", progress=False, policy=keep_none)
+    by_target = run_labeling(*pair, task, task.problems("train", 2), LabelConfig(**{**CFG, "follow": "target"}),
+                             tmp_path / "t.jsonl", progress=False)
+    steps = lambda rs: [(r["problem_id"], r["step"], r["prefix_ids"]) for r in rs if r["type"] == "candidate"]  # noqa: E731
+    assert steps(none) == steps(by_target) and all(r["policy_kept"] == 0 for r in none if r["type"] == "candidate")
+    with pytest.raises(UsageError, match="config"):
+        run_labeling(*pair, task, task.problems("train", 2), LabelConfig(**on, policy="another"),
+                     tmp_path / "all.jsonl", progress=False, policy=keep_all)
+    assert "rollout_policy" not in LabelConfig(**CFG).as_dict()  # target-only files keep their old config
+
+
+def test_rollout_policy_arguments(tiny_dir, tmp_path):
+    with pytest.raises(UsageError, match="needs the policy|--follow policy"):
+        LabelConfig(**CFG, rollout_policy="pad")
+    with pytest.raises(UsageError, match="go with --rollout-policy pad"):
+        api.check_label(task="arith", policy_sigma=0.3)
+    with pytest.raises(UsageError, match="torch engine"):
+        LabelConfig(**CFG, rollout_policy="pad", follow="policy", policy="p", engine="vllm")
+    fields, policy = api.rollout_policy(None, {"rollout_policy": "pad", "policy_classifier": "const:0.2",
+                                              "policy_sigma": 0.4})
+    assert fields["follow"] == "policy" and fields["policy"] == "pad(sigma=0.4,p_floor=0.0001,gamma=5) const:0.2"
+    assert main(["label", "--target", str(tiny_dir["llama_target"]), "--draft", str(tiny_dir["llama_draft"]),
+                 "--task", "arith", "--n-problems", "1", "--rollouts", "2", "--max-walk-tokens", "4",
+                 "--max-rollout-tokens", "4", "--min-target-rate", "-1", "--rollout-policy", "pad",
+                 "--policy-classifier", "const:0.2", "--policy-sigma", "0.4", "--out", str(tmp_path / "p.jsonl")]) == 0
+    recs = store.read_records(tmp_path / "p.jsonl")
+    assert recs[-1]["config"]["policy"] == "pad(sigma=0.4,p_floor=0.0001,gamma=5) const:0.2"

@@ -9,6 +9,7 @@ import torch
 from pivotspec.decoding.sampling import SamplingConfig
 from pivotspec.labels.rollouts import RolloutRequest, TorchEngine, batched_rollouts, can_pad, padded_rollouts
 from tests.test_architectures import config_for
+from tests.test_sampling import small_vocab_pair  # noqa: F401
 
 PREFIXES = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 3], [5, 6, 7, 20, 21, 22]]  # different lengths: real padding
 
@@ -97,3 +98,21 @@ def test_policy_rollouts_are_batch1_decodes_of_the_policy(tiny_dir, load):
             assert out == [t] + ref.token_ids
             overrides += ref.stats["override"]
     assert overrides > 0  # the policy did act
+
+
+@pytest.mark.parametrize("sigma, follows_target", [(0.0, True), (1.0, False)])
+def test_policy_rollouts_at_sigma0_sample_the_target(small_vocab_pair, sigma, follows_target):  # noqa: F811
+    """Under PAD at sigma 0 (lossless SD) a rollout's next token follows the target's distribution (chi-square
+    against the exact one); at sigma 1 with a classifier that keeps everything it follows the draft's, and the
+    same test rejects it."""
+    from pivotspec.decoding.acceptance import PAD, constant_classifier
+    from pivotspec.labels.rollouts import PolicyEngine
+    from tests.test_sampling import chi_square_pvalue, exact_marginals
+
+    target, draft = small_vocab_pair
+    cfg = SamplingConfig(1.0, 0, 1.0)
+    engine = PolicyEngine(target, draft, PAD(constant_classifier(0.0), sigma=sigma, p_floor=0.0), gamma=2)
+    outs = engine.rollouts([1, 2], [3] * 1200, cfg, 3, set(), torch.Generator().manual_seed(5))
+    counts = torch.tensor([float(sum(o[1] == i for o in outs)) for i in range(8)])
+    expected, _ = exact_marginals(target, [1, 2, 3], cfg)
+    assert (chi_square_pvalue(counts, expected) > 0.001) == follows_target

@@ -30,6 +30,7 @@ from pivotspec.errors import UsageError
 from pivotspec.evaluation import reports, runs, summary
 from pivotspec.evaluation.runs import EvalSettings, MethodSpec
 from pivotspec.labels import cluster, files
+from pivotspec.labels.rollouts import ROLLOUT_GAMMA
 from pivotspec.labels.walk import LabelConfig, run_labeling
 from pivotspec.store import check_output_dir, ensure_writable_dir, read_records, read_user_jsonl
 from pivotspec.tasks import Task, encode_prompt
@@ -321,12 +322,41 @@ def label_config(**fields: Any) -> LabelConfig:
     return LabelConfig(**fields)
 
 
+def rollout_policy(pair: Pair | None, fields: dict[str, Any],
+                   pair_name: str | None = None) -> tuple[dict[str, Any], Any]:
+    """Split ``label``'s keywords into the config's fields and the policy that rollouts and walk follow with
+    ``rollout_policy="pad"`` (``policy_classifier``, default the pair's shipped one, and ``policy_sigma``,
+    default its calibrated sigma). The config names the policy by sigma, floor, gamma and the classifier
+    files' fingerprint, so files labeled under two policies never resume or merge into each other.
+    ``follow`` defaults to "policy" then, else "label". With ``pair=None`` only the arguments are checked."""
+    fields = dict(fields)
+    clf, sigma = fields.pop("policy_classifier", None), fields.pop("policy_sigma", None)
+    pad = fields.get("rollout_policy", "target") == "pad"
+    if fields.get("follow") is None:
+        fields["follow"] = "policy" if pad else "label"
+    if not pad:
+        if clf is not None or sigma is not None:
+            raise UsageError("--policy-classifier and --policy-sigma go with --rollout-policy pad")
+        return fields, None
+    name = pair.name if pair is not None else pair_name
+    clf = str(clf or default_classifier(name) or "")
+    if not clf:
+        raise UsageError("--rollout-policy pad needs a classifier: pass --policy-classifier DIR (this pair ships none)")
+    policy = make_policy(pair, "pad", classifier=clf, sigma=sigma, pair_name=name)
+    shown = f"{policy.sigma:g}" if policy is not None else "?"
+    floor = policy.p_floor if policy is not None else DEFAULT_P_FLOOR
+    fields["policy"] = (f"pad(sigma={shown},p_floor={floor:g},gamma={ROLLOUT_GAMMA}) "
+                        f"{runs.classifier_files_fingerprint(clf)}")
+    return fields, policy
+
+
 def check_label(*, task: str = "arith", split: str = "train", n_problems: int = 50, overwrite: bool = False,
                 judge: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                shard: str | tuple[int, int] | None = None, concurrency: int = 1,
+                shard: str | tuple[int, int] | None = None, concurrency: int = 1, pair_name: str | None = None,
                 **fields: Any) -> tuple[int, int] | None:
-    """``label``'s arguments, before any model loads; returns the shard as (i, n) (``"I/N"`` accepted)."""
-    label_config(**fields)
+    """``label``'s arguments, before any model loads (``pair_name``: where a pad rollout policy finds its
+    shipped classifier); returns the shard as (i, n) (``"I/N"`` accepted)."""
+    label_config(**rollout_policy(None, fields, pair_name)[0])
     if n_problems < 1:
         raise UsageError(f"--n-problems must be >= 1, got {n_problems}")
     if concurrency < 1:
@@ -344,15 +374,18 @@ def label(pair: Pair, out: str | Path, *, task: str = "arith", split: str = "tra
     problems of shard i of n (join the files with ``merge_labels``); ``concurrency``: problems walked side by
     side, their rollouts batched together (faster; 1 reproduces bit for bit whatever the sharding). Returns
     all records."""
-    shard = check_label(task=task, split=split, n_problems=n_problems, concurrency=concurrency, shard=shard, **fields)
+    shard = check_label(task=task, split=split, n_problems=n_problems, concurrency=concurrency, shard=shard,
+                        pair_name=pair.name, **fields)
     if pair.draft is None:
         raise UsageError("labeling needs a draft model: load the pair with a draft")
     t = get_task(task)
+    fields, policy = rollout_policy(pair, fields)
     cfg = label_config(**fields)
     problems = [p for i, p in enumerate(t.problems(split, n_problems, cfg.seed)) if files.in_shard(i, shard)]
     judge_lm = load_lm(judge) if judge else None
     return run_labeling(pair.target, pair.draft, t, problems, cfg, Path(out), overwrite=overwrite, judge=judge_lm,
-                        split=split, chat_template_kwargs=chat_template_kwargs, concurrency=concurrency)
+                        split=split, chat_template_kwargs=chat_template_kwargs, concurrency=concurrency,
+                        policy=policy)
 
 
 def _label_shard(pair_args: dict[str, Any], out: str, shard: tuple[int, int], label_args: dict[str, Any]) -> int:
@@ -371,7 +404,7 @@ def label_on_ray(out: str | Path, *, target: str | None = None, draft: str | Non
     resolve_names(target, draft, pair, needs_draft=True)  # unknown names fail here, not in every worker
     if label_args.pop("shard", None) is not None:
         raise UsageError("--ray makes its own shards: drop --shard (or run one shard per machine without --ray)")
-    check_label(**label_args)
+    check_label(pair_name=pair, **label_args)
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     out = Path(out)

@@ -25,8 +25,14 @@ def add_parsers(sub: Any) -> None:
     lab.add_argument("--mode", choices=["mul", "add", "abs"], default="mul",
                      help="mul: U_acc < alpha*U_rej; add: U_acc + alpha < U_rej; abs: U_acc < alpha")
     lab.add_argument("--alpha", type=float, default=0.5, help="threshold of --mode")
-    lab.add_argument("--follow", choices=["label", "target"], default="label",
-                     help="continue the walk with d when non-pivot (label) or always with t (target)")
+    lab.add_argument("--follow", choices=["label", "target", "policy"], default=None,
+                     help="continue the walk with d when non-pivot (label, the default), always with t (target), or "
+                     "with d where the rollout policy keeps it (policy, the default with --rollout-policy pad)")
+    lab.add_argument("--rollout-policy", choices=["target", "pad"], default="target",
+                     help="continue each rollout with the target alone (default, as the paper) or under PAD "
+                     "(draft + target + classifier at --policy-sigma, batched): on-policy labels")
+    lab.add_argument("--policy-classifier", help="the rollout policy's classifier (default: the pair's shipped one)")
+    lab.add_argument("--policy-sigma", type=float, help="the rollout policy's sigma (default: its calibrated one)")
     lab.add_argument("--min-target-rate", type=float, default=0.3,
                      help="skip problems the target solves at <= this rate from the prompt (-1: no screening)")
     lab.add_argument("--judge", help="local HF causal LM that may flip non-pivots to pivots (off by default)")
@@ -71,7 +77,8 @@ def cmd_label(args: argparse.Namespace) -> None:
     config = dict(rollouts=args.rollouts, temperature=args.temperature, top_p=args.top_p,
                   max_rollout_tokens=args.max_rollout_tokens, mode=args.mode, alpha=args.alpha, follow=args.follow,
                   min_target_rate=args.min_target_rate, max_walk_tokens=args.max_walk_tokens, seed=args.seed,
-                  engine=args.engine)
+                  engine=args.engine, rollout_policy=args.rollout_policy, policy_classifier=args.policy_classifier,
+                  policy_sigma=args.policy_sigma)
     run = dict(task=task_name(args), split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
                judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, concurrency=args.concurrency,
                **config)
@@ -82,7 +89,7 @@ def cmd_label(args: argparse.Namespace) -> None:
         print(f"{args.out}: {merged['candidates']} candidates, {merged['problems']} problems from "
               f"{args.workers} shards")
         return
-    shard = api.check_label(shard=args.shard, **run)  # argument errors before the models load
+    shard = api.check_label(shard=args.shard, pair_name=args.pair, **run)  # argument errors before models load
     pair = load_pair(args, needs_draft=True)
     s = api.count_labels(api.label(pair, args.out, shard=shard, **run))
     print(f"{args.out}: {s['candidates']} candidates, {s['pivots']} pivots, "

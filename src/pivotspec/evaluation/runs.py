@@ -169,10 +169,15 @@ def classifier_fingerprint(clf: str | None, specs: list[MethodSpec]) -> str | No
     instead of mixing rows from two classifiers."""
     if not clf or not any(isinstance(s.policy, PAD) for s in specs):
         return None
+    return classifier_files_fingerprint(clf)
+
+
+def classifier_files_fingerprint(clf: str) -> str:
+    """``DIR#hash`` of a classifier's own files (plots or subdirectories may sit beside them); ``const:S`` as is."""
     if clf.startswith("const:"):
         return clf
     digest = hashlib.sha256()
-    for name in (CONFIG, WEIGHTS):  # only the classifier's own files: plots or subdirectories may sit beside them
+    for name in (CONFIG, WEIGHTS):
         digest.update(name.encode() + (Path(clf) / name).read_bytes())
     return f"{clf}#{digest.hexdigest()[:12]}"
 

@@ -35,6 +35,7 @@ from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from pivotspec.errors import UsageError
 
 ENGINES = ("torch", "vllm")
+ROLLOUT_GAMMA = 5  # draft tokens per step of rollouts under a policy (PAD's default gamma)
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
@@ -202,7 +203,7 @@ class PolicyEngine:
 
     name = "policy"
 
-    def __init__(self, target: LM, draft: LM, policy: Any, gamma: int = 5):
+    def __init__(self, target: LM, draft: LM, policy: Any, gamma: int = ROLLOUT_GAMMA):
         self.target, self.draft, self.policy, self.gamma = target, draft, policy, gamma
 
     def rollouts(self, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,

@@ -5,6 +5,11 @@ token t) SD would reject d, so it is a *candidate*. Sample N target continuation
 all 2N as one batch from a copy of the shared prefix cache, score them with the task, and label d a pivot
 when its success rate U_acc falls short of U_rej's by the chosen rule. The walk then continues with d when
 it is harmless (else t), so later candidates sit on trajectories PAD would actually produce.
+
+On-policy labels (``rollout_policy="pad"``): the rollouts continue under a PAD policy (draft proposes, target
+verifies, the classifier overrides; ``rollouts.PolicyEngine``) instead of the target alone, and the walk
+follows that policy's own greedy decisions (d where PAD keeps it, else t), so a label prices a kept token
+together with the overrides the policy goes on to make after it.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import torch
 from pivotspec.decoding.models import LM, eos_ids
 from pivotspec.decoding.sampling import SamplingConfig, argmax
 from pivotspec.errors import UsageError
-from pivotspec.labels.rollouts import ENGINES, RolloutEngine, RolloutRequest, make_engine
+from pivotspec.labels.rollouts import ENGINES, PolicyEngine, RolloutEngine, RolloutRequest, make_engine
 from pivotspec.store import append_record, open_for_append, read_records
 from pivotspec.tasks import Problem, Task, encode_problem, encode_prompt
 
 MODES = ("mul", "add", "abs")
+FOLLOW = ("label", "target", "policy")
+ROLLOUT_POLICIES = ("target", "pad")
 IDENTITY = ("task", "config", "target", "draft", "judge")  # what a labels file is made with: one per file
 
 
@@ -38,11 +45,13 @@ class LabelConfig:
     max_rollout_tokens: int = 160
     mode: str = "mul"
     alpha: float = 0.5
-    follow: str = "label"  # "label": continue with d when non-pivot; "target": always continue with t
+    follow: str = "label"  # "label": d when non-pivot; "target": always t; "policy": d when the policy keeps it
     min_target_rate: float = 0.3  # screening: skip problems the target solves at <= this rate (< 0 disables)
     max_walk_tokens: int = 200
     seed: int = 0
     engine: str = "torch"  # who samples the rollouts (rollouts.ENGINES); the walk always runs on torch
+    rollout_policy: str = "target"  # "target": rollouts by the target alone; "pad": under the policy below
+    policy: str | None = None  # with "pad": what identifies it (classifier files' fingerprint, sigma, floor, gamma)
 
     def __post_init__(self) -> None:
         if self.rollouts < 1:
@@ -51,8 +60,17 @@ class LabelConfig:
             raise UsageError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not 0 < self.alpha <= 1:
             raise UsageError(f"--alpha must be in (0, 1], got {self.alpha}")
-        if self.follow not in ("label", "target"):
-            raise UsageError(f"--follow must be 'label' or 'target', got {self.follow!r}")
+        if self.follow not in FOLLOW:
+            raise UsageError(f"--follow must be one of {', '.join(FOLLOW)}, got {self.follow!r}")
+        if self.rollout_policy not in ROLLOUT_POLICIES:
+            raise UsageError(f"--rollout-policy must be one of {', '.join(ROLLOUT_POLICIES)}, "
+                             f"got {self.rollout_policy!r}")
+        if (self.rollout_policy == "pad") != (self.follow == "policy") or (self.rollout_policy == "pad") != bool(
+                self.policy):
+            raise UsageError("--rollout-policy pad walks the policy's own trajectory (--follow policy) and needs "
+                             "the policy; --follow policy needs --rollout-policy pad")
+        if self.rollout_policy == "pad" and self.engine != "torch":
+            raise UsageError("rollouts under a policy run on the torch engine: drop --engine vllm")
         if self.max_rollout_tokens < 1 or self.max_walk_tokens < 1:
             raise UsageError("--max-rollout-tokens and --max-walk-tokens must be >= 1")
         if self.engine not in ENGINES:
@@ -65,6 +83,8 @@ class LabelConfig:
         d = asdict(self)
         if d["engine"] == "torch":
             del d["engine"]
+        if d["rollout_policy"] == "target":  # likewise files labeled before rollout policies existed
+            del d["rollout_policy"], d["policy"]
         return d
 
 
@@ -122,12 +142,13 @@ def screen_request(target: LM, problem: Problem, prompt: list[int], cfg: LabelCo
 
 def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: LabelConfig, stop_ids: set[int],
                  known: dict[int, dict], base: dict, emit: Callable[[dict], None],
-                 judge: Callable[..., bool] | None = None, chat_template_kwargs: dict[str, Any] | None = None
-                 ) -> Generator[RolloutRequest, list[list[int]], dict]:
+                 judge: Callable[..., bool] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                 policy: Any = None) -> Generator[RolloutRequest, list[list[int]], dict]:
     """Walk one problem, emitting a record per new candidate; ``known`` holds candidates of an earlier
     run (by step) that are reused instead of rolled out again. A generator: it yields each rollout request
     and is sent back the continuations, so a driver can batch the requests of several walks (``run_walks``).
-    Returns the problem's summary record."""
+    With a ``policy`` (``rollout_policy="pad"``) the walk continues where that policy would: d when it keeps
+    d. Returns the problem's summary record."""
     prompt = encode_problem(target.tokenizer, problem, True, chat_template_kwargs)
     summary = {"type": "problem", "problem_id": problem.id, **base}
     if cfg.min_target_rate >= 0:
@@ -143,10 +164,12 @@ def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Label
     while len(generated) < cfg.max_walk_tokens:
         seq = prompt + generated
         t = int(argmax(target.advance(seq, keep_logits=1)[0][0]))
-        d = draft.greedy_token(draft.advance(seq, keep_logits=1, full_vocab=False)[0][0], target.vocab_size)
+        d_logits = draft.advance(seq, keep_logits=1, full_vocab=False)[0]
+        d = draft.greedy_token(d_logits[0], target.vocab_size)
         nxt = t
         if d != t:
             step = len(generated)
+            kept = policy_keeps(policy, target, draft, seq, d, d_logits) if policy is not None else None
             rec = known.get(step)
             if rec is not None and (rec["prefix_ids"] != seq or rec["d"] != d or rec["t"] != t):
                 # The walk is deterministic, so this means the models or the file changed since that record.
@@ -156,25 +179,43 @@ def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Label
                 n = cfg.rollouts
                 started = time.perf_counter()
                 gen = seeded_generator(cfg.seed, problem.id, step, device=target.device)
-                # The target's cache holds exactly seq here: the rollouts start from it without a recompute.
-                conts = yield RolloutRequest(seq, [d] * n + [t] * n, gen, cfg.max_rollout_tokens, target.cache)
+                # Without a policy the target's cache holds exactly seq here: the rollouts start from it without a
+                # recompute (the policy engine prefills its own batch).
+                conts = yield RolloutRequest(seq, [d] * n + [t] * n, gen, cfg.max_rollout_tokens,
+                                             target.cache if policy is None else None)
                 u_acc, u_rej, scores = success_rates(task, problem, target.tokenizer, generated, conts, n)
                 label = is_pivot(u_acc, u_rej, cfg.mode, cfg.alpha)
                 rec = {"type": "candidate", "problem_id": problem.id, "step": step, "prefix_ids": seq,
                        "prompt_len": len(prompt), "d": d, "t": t, "u_acc": u_acc, "u_rej": u_rej,
                        "label": int(label), "n_rollouts": 2 * n, "rollout_tokens": sum(map(len, conts)),
-                       "rollout_s": round(time.perf_counter() - started, 3), **base}
+                       "rollout_s": round(time.perf_counter() - started, 3),
+                       **({"policy_kept": int(kept)} if kept is not None else {}), **base}
                 if judge is not None and not label:
                     flipped = judge(problem, generated, conts[:n], scores[:n])
                     rec["judge_flipped"] = bool(flipped)
                     rec["label"] = int(flipped)
                 emit(rec)
             n_candidates += 1
-            nxt = t if rec["label"] or cfg.follow == "target" else d
+            if kept is not None:
+                nxt = d if kept else t
+            else:
+                nxt = t if rec["label"] or cfg.follow == "target" else d
         generated.append(nxt)
         if nxt in stop_ids:
             break
     return {**summary, "status": "done", "candidates": n_candidates, "walk_tokens": len(generated)}
+
+
+def policy_keeps(policy: Any, target: LM, draft: LM, seq: list[int], d: int, d_logits: torch.Tensor) -> bool:
+    """Would ``policy`` keep draft token d after ``seq`` where SD rejects it? Asked as a PAD step asks: one
+    verification of [d] from the target's rows of [last token, d] (hidden states too) and the draft's logits."""
+    from pivotspec.decoding.acceptance import Verification
+    from pivotspec.decoding.drafting import fit_vocab
+
+    logits, hidden = target.advance(seq + [d], keep_logits=2, hidden_layer=policy.hidden_layer)
+    q_logits = fit_vocab(draft.full_vocab(d_logits), target.vocab_size)
+    v = Verification(torch.tensor([d], device=logits.device), logits, q_logits, SamplingConfig(), hidden)
+    return bool(policy.override(v)[0]) and not bool(v.sd_ok[0])
 
 
 @dataclass
@@ -279,19 +320,24 @@ class Progress:
 def run_labeling(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
                  overwrite: bool = False,
                  judge: LM | None = None, split: str = "train", progress: bool = True,
-                 chat_template_kwargs: dict[str, Any] | None = None, concurrency: int = 1) -> list[dict]:
-    """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds. The file is
+                 chat_template_kwargs: dict[str, Any] | None = None, concurrency: int = 1,
+                 policy: Any = None) -> list[dict]:
+    """Label ``problems`` into the JSONL file ``out``, resuming from what it already holds. ``policy``: the
+    acceptance policy ``cfg.rollout_policy="pad"`` rolls out and walks under (``cfg.policy`` names it). The file is
     locked for the run, so a second labeler on the same file stops with a one-line error. ``concurrency``
     walks run side by side with their rollouts in one batch (faster; with 1, a run reproduces bit for bit
     whatever the sharding, since no candidate's rollouts share a batch with another's)."""
     with open_for_append(out, overwrite) as fh:
         return _label_locked(target, draft, task, problems, cfg, out, judge, split, progress, fh,
-                             chat_template_kwargs, concurrency)
+                             chat_template_kwargs, concurrency, policy)
 
 
 def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cfg: LabelConfig, out: Path,
                   judge: LM | None, split: str, progress: bool, fh: Any,
-                  chat_template_kwargs: dict[str, Any] | None = None, concurrency: int = 1) -> list[dict]:
+                  chat_template_kwargs: dict[str, Any] | None = None, concurrency: int = 1,
+                  policy: Any = None) -> list[dict]:
+    if (policy is None) != (cfg.rollout_policy == "target"):
+        raise UsageError("a rollout policy object goes with rollout_policy='pad', and only with it")
     base = {"task": task.name, "split": split, "config": cfg.as_dict(), "target": model_identity(target),
             "draft": model_identity(draft), "judge": judge.name if judge else None}
     existing = read_records(out)
@@ -317,10 +363,12 @@ def _label_locked(target: LM, draft: LM, task: Task, problems: list[Problem], cf
     todo = [p for p in problems if p.id not in finished]
     if bar:
         bar.update(resumed=len(problems) - len(todo))
-    engine = make_engine(cfg.engine, target, cfg.seed) if todo else None  # vLLM starts only if needed
+    engine = None
+    if todo:  # vLLM starts only if needed
+        engine = make_engine(cfg.engine, target, cfg.seed) if policy is None else PolicyEngine(target, draft, policy)
     try:
         walks = (walk_problem(target, draft, task, p, cfg, stop_ids, known.get(p.id, {}), base, emit, flip,
-                              chat_template_kwargs) for p in todo)
+                              chat_template_kwargs, policy) for p in todo)
         for summary in run_walks(walks, target, draft, engine, cfg, stop_ids, concurrency):
             append_record(fh, summary)
             if bar:
