@@ -46,11 +46,13 @@ def main() -> None:
     ap.add_argument("--methods", default="ar,sd,pad")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default=None, help="auto, cpu, cuda, ... (default: auto)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the device's)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/batch_throughput.json"))
     args = ap.parse_args()
     from pivotspec import api
 
-    pair = api.load_pair(pair=args.pair, threads=args.threads)
+    pair = api.load_pair(pair=args.pair, threads=args.threads, device=args.device, dtype=args.dtype)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs: dict[int, dict] = {}
     for b in sizes:
@@ -73,7 +75,8 @@ def main() -> None:
         r["throughput_vs_first"] = r["tokens_per_s"] / base[r["method"]]
     memory = cache_per_row(pair, max(sizes), args.max_new_tokens)
     result = {"meta": {"pair": args.pair, "n": args.n, "max_new_tokens": args.max_new_tokens,
-                       "threads": args.threads, "cpu": os.cpu_count()}, "rows": table, "memory": memory,
+                       "threads": args.threads, "cpu": os.cpu_count(), "device": str(pair.target.device),
+                       "dtype": str(pair.target.model.dtype)}, "rows": table, "memory": memory,
               "wall_s": {b: runs[b]["wall_s"] for b in sizes}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

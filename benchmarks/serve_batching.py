@@ -10,7 +10,10 @@ as chat messages (streaming, greedy). Reports output tokens/s (all output tokens
 time), time to first token and request latency (p50, p95) and errors, and checks that every greedy
 response of the batching server equals the same prompt's response from the one-at-a-time server.
 guidellm runs from its own environment (`--guidellm`, default .venv-bench/bin/guidellm: install the CPU
-torch there first, then `pip install guidellm==0.8.1`). Writes benchmarks/results/serve_batching.json.
+torch there first, then `pip install guidellm==0.8.1`). Where guidellm cannot be installed (the lent GPU
+machine: no network, and its wheels do not fit beside the repository in what a call carries), `--client
+builtin` sends the same requests from client threads (streaming, the same measurements) instead.
+Writes benchmarks/results/serve_batching.json.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -37,10 +41,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(pair: str, method: str, max_batch: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(pair: str, method: str, max_batch: int, threads: int, log: Path,
+                 placement: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "pivotspec.cli", "serve", "--pair", pair, "--method", method, "--port", str(port),
-           "--max-batch", str(max_batch), "--max-queue", "256", "--threads", str(threads)]
+           "--max-batch", str(max_batch), "--max-queue", "256", "--threads", str(threads), *placement]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
@@ -78,7 +83,61 @@ def run_guidellm(guidellm: str, url: str, tokenizer: str, data: Path, streams: i
     cmd = [guidellm, "run", "-c", str(spec), "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
            "--output", f"kind=json,path={out}", "--disable-console"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=3600)
-    return json.loads(out.read_text())
+    bench = json.loads(out.read_text())["benchmarks"][0]["requests"]
+    done = [{"ok": True, "start": r["request_start_time"], "end": r["request_end_time"],
+             "latency": r["request_latency"], "ttft": (r["time_to_first_token_ms"] or 0) / 1000,
+             "tokens": r["output_tokens"], "output": r["output"],
+             "key": json.dumps(json.loads(r["request_args"])["body"]["messages"])} for r in bench["successful"]]
+    return done + [{"ok": False}] * (len(bench["errored"]) + len(bench["incomplete"]))
+
+
+def stream_one(url: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streaming chat request, as guidellm sends it; the builtin client's unit of load."""
+    body = {"model": model_name(url), "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start, first, text, tokens = time.time(), None, "", None
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                delta = msg["choices"][0]["delta"].get("content") if msg.get("choices") else None
+                if delta:
+                    first = first or time.time()
+                    text += delta
+                if msg.get("usage"):
+                    tokens = msg["usage"]["completion_tokens"]
+    except OSError:
+        return {"ok": False}
+    end = time.time()
+    return {"ok": tokens is not None, "start": start, "end": end, "latency": end - start,
+            "ttft": (first or end) - start, "tokens": tokens or 0, "output": text, "key": json.dumps(messages)}
+
+
+def run_builtin(url: str, prompts: list[list[dict]], streams: int, max_tokens: int) -> list[dict]:
+    """guidellm's concurrent profile: ``streams`` clients, each sending its next request when the last ends."""
+    todo, lock, results = iter(prompts), threading.Lock(), []
+
+    def client() -> None:
+        while True:
+            with lock:
+                messages = next(todo, None)
+            if messages is None:
+                return
+            r = stream_one(url, messages, max_tokens)
+            with lock:
+                results.append(r)
+
+    workers = [threading.Thread(target=client) for _ in range(streams)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return results
 
 
 def pct(values: list[float], q: float) -> float:
@@ -86,21 +145,17 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def summarize(report: dict) -> dict:
+def summarize(results: list[dict]) -> dict:
     """Throughput over the level's wall time, and latency percentiles over its successful requests."""
-    bench = report["benchmarks"][0]
-    ok, errored = bench["requests"]["successful"], bench["requests"]["errored"]
-    start = min(r["request_start_time"] for r in ok)
-    end = max(r["request_end_time"] for r in ok)
-    tokens = sum(r["output_tokens"] for r in ok)
-    ttft = [r["time_to_first_token_ms"] / 1000 for r in ok if r["time_to_first_token_ms"] is not None]
-    latency = [r["request_latency"] for r in ok]
-    outputs = {json.dumps(json.loads(r["request_args"])["body"]["messages"]): r["output"] for r in ok}
-    return {"requests": len(ok) + len(errored), "errors": len(errored),
-            "incomplete": len(bench["requests"]["incomplete"]), "output_tokens": tokens, "wall_s": end - start,
-            "output_tokens_per_s": tokens / (end - start), "ttft_p50_s": statistics.median(ttft),
-            "ttft_p95_s": pct(ttft, 0.95), "latency_p50_s": statistics.median(latency),
-            "latency_p95_s": pct(latency, 0.95), "outputs": outputs}
+    ok = [r for r in results if r["ok"]]
+    start, end = min(r["start"] for r in ok), max(r["end"] for r in ok)
+    tokens = sum(r["tokens"] for r in ok)
+    ttft, latency = [r["ttft"] for r in ok], [r["latency"] for r in ok]
+    return {"requests": len(results), "errors": len(results) - len(ok), "output_tokens": tokens,
+            "wall_s": end - start, "output_tokens_per_s": tokens / (end - start),
+            "ttft_p50_s": statistics.median(ttft), "ttft_p95_s": pct(ttft, 0.95),
+            "latency_p50_s": statistics.median(latency), "latency_p95_s": pct(latency, 0.95),
+            "outputs": {r["key"]: r["output"] for r in ok}}
 
 
 def main() -> None:
@@ -113,10 +168,14 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8, help="the batching server's --max-batch")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--client", choices=["guidellm", "builtin"], default="guidellm",
+                    help="the load generator (builtin: client threads, where guidellm cannot be installed)")
     ap.add_argument("--guidellm", default=str(ROOT / ".venv-bench" / "bin" / "guidellm"))
+    ap.add_argument("--device", default=None, help="the servers' --device")
+    ap.add_argument("--dtype", default=None, help="the servers' --dtype")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_batching.json"))
     args = ap.parse_args()
-    if not (Path(args.guidellm).is_file() or shutil.which(args.guidellm)):
+    if args.client == "guidellm" and not (Path(args.guidellm).is_file() or shutil.which(args.guidellm)):
         raise SystemExit(f"guidellm not found at {args.guidellm}: make .venv-bench (CPU torch, then "
                          "guidellm==0.8.1) or pass --guidellm")
     from pivotspec import api
@@ -126,9 +185,11 @@ def main() -> None:
                                                                seed=1)
     work = Path(tempfile.mkdtemp(prefix="serve_batching."))
     tokenizer = str(api.model_dir(api.resolve_names(None, None, args.pair)[0]))
+    placement = [*(["--device", args.device] if args.device else []), *(["--dtype", args.dtype] if args.dtype else [])]
     servers = {}
     for batch in (1, args.max_batch):
-        servers[batch] = start_server(args.pair, args.method, batch, args.threads, work / f"server{batch}.log")
+        servers[batch] = start_server(args.pair, args.method, batch, args.threads, work / f"server{batch}.log",
+                                      placement)
         warm_up(servers[batch][1], problems[0].messages)
     results: dict[str, dict] = {}
     try:
@@ -138,9 +199,12 @@ def main() -> None:
             data.write_text("".join(json.dumps({"messages": p.messages}) + "\n" for p in problems[:n]))
             order = [1, args.max_batch] if i % 2 == 0 else [args.max_batch, 1]
             for batch in order:
-                report = run_guidellm(args.guidellm, servers[batch][1], tokenizer, data, c, n, args.max_tokens,
-                                      work / f"c{c}-b{batch}.json")
-                results[f"{c}/{batch}"] = summarize(report)
+                if args.client == "guidellm":
+                    done = run_guidellm(args.guidellm, servers[batch][1], tokenizer, data, c, n, args.max_tokens,
+                                        work / f"c{c}-b{batch}.json")
+                else:
+                    done = run_builtin(servers[batch][1], [p.messages for p in problems[:n]], c, args.max_tokens)
+                results[f"{c}/{batch}"] = summarize(done)
                 r = results[f"{c}/{batch}"]
                 print(f"concurrency {c}, --max-batch {batch}: {r['output_tokens_per_s']:.1f} tokens/s, "
                       f"TTFT p50 {r['ttft_p50_s']:.2f} s, errors {r['errors']}", file=sys.stderr, flush=True)
@@ -156,11 +220,13 @@ def main() -> None:
                      "throughput_ratio": many["output_tokens_per_s"] / one["output_tokens_per_s"],
                      "ttft_p50_ratio": many["ttft_p50_s"] / one["ttft_p50_s"],
                      "identical_responses": f"{same}/{len(many['outputs'])}"})
+    client = "guidellm 0.8.1 (concurrent profile)" if args.client == "guidellm" else "builtin client threads"
     meta = {"pair": args.pair, "method": args.method, "max_batch": args.max_batch, "max_tokens": args.max_tokens,
-            "threads": args.threads, "cpu": os.cpu_count(), "load_generator": "guidellm 0.8.1 (concurrent profile)"}
+            "threads": args.threads, "cpu": os.cpu_count(), "load_generator": client, "device": args.device,
+            "dtype": args.dtype}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "levels": rows}, indent=1))
-    print(f"{args.pair} pair, {args.method}, greedy, streaming chat; guidellm concurrent profile; "
+    print(f"{args.pair} pair, {args.method}, greedy, streaming chat; {client}; "
           f"--max-batch 1 vs {args.max_batch}, same run")
     print("| clients | max-batch | output tok/s | TTFT p50 | TTFT p95 | latency p50 | latency p95 | errors | "
           "throughput vs batch 1 | TTFT p50 vs batch 1 | identical to batch 1 |")

