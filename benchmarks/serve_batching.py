@@ -158,6 +158,16 @@ def summarize(results: list[dict]) -> dict:
             "outputs": {r["key"]: r["output"] for r in ok}}
 
 
+def drop_outputs(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "outputs"}
+
+
+def medians(runs: list[dict]) -> dict:
+    """Each measurement's median over a level's repeats (the errors summed)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in drop_outputs(runs[0]) if k != "errors"}
+    return {**out, "errors": sum(r["errors"] for r in runs), "repeats": len(runs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="testbed")
@@ -166,6 +176,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0,
                     help="requests per level (default: 4 x concurrency, >= 8: mostly a full batch, little tail)")
     ap.add_argument("--max-batch", type=int, default=8, help="the batching server's --max-batch")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each level per server, interleaved (medians)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--client", choices=["guidellm", "builtin"], default="guidellm",
@@ -191,35 +202,41 @@ def main() -> None:
         servers[batch] = start_server(args.pair, args.method, batch, args.threads, work / f"server{batch}.log",
                                       placement)
         warm_up(servers[batch][1], problems[0].messages)
-    results: dict[str, dict] = {}
+    results: dict[tuple[int, int], list[dict]] = {}
     try:
         for i, c in enumerate(levels):
             n = args.requests or max(8, 4 * c)
             data = work / f"prompts{c}.jsonl"  # exactly the level's requests: both servers get the same prompts
             data.write_text("".join(json.dumps({"messages": p.messages}) + "\n" for p in problems[:n]))
-            order = [1, args.max_batch] if i % 2 == 0 else [args.max_batch, 1]
-            for batch in order:
-                if args.client == "guidellm":
-                    done = run_guidellm(args.guidellm, servers[batch][1], tokenizer, data, c, n, args.max_tokens,
-                                        work / f"c{c}-b{batch}.json")
-                else:
-                    done = run_builtin(servers[batch][1], [p.messages for p in problems[:n]], c, args.max_tokens)
-                results[f"{c}/{batch}"] = summarize(done)
-                r = results[f"{c}/{batch}"]
-                print(f"concurrency {c}, --max-batch {batch}: {r['output_tokens_per_s']:.1f} tokens/s, "
-                      f"TTFT p50 {r['ttft_p50_s']:.2f} s, errors {r['errors']}", file=sys.stderr, flush=True)
+            for repeat in range(args.repeats):
+                order = [1, args.max_batch] if (i + repeat) % 2 == 0 else [args.max_batch, 1]
+                for batch in order:
+                    if args.client == "guidellm":
+                        done = run_guidellm(args.guidellm, servers[batch][1], tokenizer, data, c, n,
+                                            args.max_tokens, work / f"c{c}-b{batch}-r{repeat}.json")
+                    else:
+                        done = run_builtin(servers[batch][1], [p.messages for p in problems[:n]], c,
+                                           args.max_tokens)
+                    r = summarize(done)
+                    results.setdefault((c, batch), []).append(r)
+                    print(f"concurrency {c}, --max-batch {batch}: {r['output_tokens_per_s']:.1f} tokens/s, "
+                          f"TTFT p50 {r['ttft_p50_s']:.2f} s, errors {r['errors']}", file=sys.stderr, flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()
     rows = []
     for c in levels:
-        one, many = results[f"{c}/1"], results[f"{c}/{args.max_batch}"]
-        same = sum(many["outputs"][k] == one["outputs"].get(k) for k in many["outputs"])
-        rows.append({"concurrency": c, "one_at_a_time": {k: v for k, v in one.items() if k != "outputs"},
-                     "batched": {k: v for k, v in many.items() if k != "outputs"},
-                     "throughput_ratio": many["output_tokens_per_s"] / one["output_tokens_per_s"],
-                     "ttft_p50_ratio": many["ttft_p50_s"] / one["ttft_p50_s"],
-                     "identical_responses": f"{same}/{len(many['outputs'])}"})
+        ones, manys = results[(c, 1)], results[(c, args.max_batch)]
+        same = sum(m["outputs"][k] == one["outputs"].get(k) for one, m in zip(ones, manys, strict=True)
+                   for k in m["outputs"])
+        rows.append({"concurrency": c, "one_at_a_time": medians(ones), "batched": medians(manys),
+                     "throughput_ratio": statistics.median(m["output_tokens_per_s"] / o["output_tokens_per_s"]
+                                                           for o, m in zip(ones, manys, strict=True)),
+                     "ttft_p50_ratio": statistics.median(m["ttft_p50_s"] / o["ttft_p50_s"]
+                                                         for o, m in zip(ones, manys, strict=True)),
+                     "identical_responses": f"{same}/{sum(len(m['outputs']) for m in manys)}",
+                     "runs": {"one_at_a_time": [drop_outputs(r) for r in ones],
+                              "batched": [drop_outputs(r) for r in manys]}})
     client = "guidellm 0.8.1 (concurrent profile)" if args.client == "guidellm" else "builtin client threads"
     meta = {"pair": args.pair, "method": args.method, "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads": args.threads, "cpu": os.cpu_count(), "load_generator": client, "device": args.device,
@@ -227,7 +244,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "levels": rows}, indent=1))
     print(f"{args.pair} pair, {args.method}, greedy, streaming chat; {client}; "
-          f"--max-batch 1 vs {args.max_batch}, same run")
+          f"--max-batch 1 vs {args.max_batch}, same run; medians of {args.repeats} interleaved repeat(s) per level")
     print("| clients | max-batch | output tok/s | TTFT p50 | TTFT p95 | latency p50 | latency p95 | errors | "
           "throughput vs batch 1 | TTFT p50 vs batch 1 | identical to batch 1 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
