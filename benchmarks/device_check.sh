@@ -82,12 +82,15 @@ for name in ('testbed-target', 'testbed-draft'):
         --gammas 5 --out "$out/decode_speed.json" 2>&1 | tail -8
     echo "--- batch_throughput on $device (ar, sd, pad at batch 1, 8, 32)"
     timeout 240 "$py" benchmarks/batch_throughput.py --device "$device" --dtype "$dtype" --n "$n" \
-        --batch-sizes "$([ "$quick" = 1 ] && echo 1,2 || echo 1,8,32)" --max-new-tokens 160 \
-        --out "$out/batch_throughput.json" 2>&1 | grep -v "problems " | tail -14
+        --batch-sizes "$([ "$quick" = 1 ] && echo 1,2 || echo 1,8,32)" \
+        --max-new-tokens "$([ "$quick" = 1 ] && echo 24 || echo 160)" --out "$out/batch_throughput.json" 2>&1 \
+        | tr '\r' '\n' | grep -v "^problems " | tail -14
+    echo "batch_throughput exit: ${PIPESTATUS[0]} (124: timed out)"
     echo "--- serve_batching on $device (builtin client, --max-batch 1 against 8)"
     timeout 240 "$py" benchmarks/serve_batching.py --client builtin --device "$device" --dtype "$dtype" \
         --concurrency "$([ "$quick" = 1 ] && echo 2 || echo 1,8,16)" --requests "$([ "$quick" = 1 ] && echo 4 || echo 0)" \
-        --max-batch "$([ "$quick" = 1 ] && echo 2 || echo 8)" --max-tokens 128 --out "$out/serve_batching.json" \
-        2>&1 | tail -10
+        --max-batch "$([ "$quick" = 1 ] && echo 2 || echo 8)" --max-tokens "$([ "$quick" = 1 ] && echo 24 || echo 128)" \
+        --out "$out/serve_batching.json" 2>&1 | tail -10
+    echo "serve_batching exit: ${PIPESTATUS[0]} (124: timed out)"
   fi
 } 2>&1 | tee "$out/device_check.txt"

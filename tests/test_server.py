@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
@@ -123,6 +124,7 @@ def slow_steps(server, monkeypatch):
     calls = []
     real = model.forward
 
+    @functools.wraps(real)  # keeps the signature: the cache keyword is chosen from it
     def slow(*args, **kwargs):
         calls.append(kwargs["input_ids"].shape[0] if "input_ids" in kwargs else 1)
         time.sleep(0.02)
