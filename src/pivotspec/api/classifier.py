@@ -1,0 +1,61 @@
+"""The API's pivot classifier: train it on labels and evaluate it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pivotspec.api.pairs import Pair
+from pivotspec.classifier.model import CONFIG as CLASSIFIER_CONFIG
+from pivotspec.classifier.model import TYPES as CLASSIFIER_TYPES
+from pivotspec.classifier.model import load as load_classifier
+from pivotspec.classifier.training import Filters, evaluate_on_labels, train_from_labels
+from pivotspec.decoding.models import load_lm
+from pivotspec.errors import UsageError
+from pivotspec.store import check_output_dir
+
+
+def _check_labels_file(labels: Path) -> None:
+    if not labels.is_file():
+        raise UsageError(f"labels file {str(labels)!r} does not exist: check the path (or run `pivotspec label`)")
+
+
+def check_train_classifier(labels: str | Path, out: str | Path, overwrite: bool = False, kind: str = "extended_v2",
+                           target_recall: float = 0.95) -> None:
+    """A labels file, a classifier directory that may be written and the settings, before any model loads."""
+    _check_labels_file(Path(labels))
+    if kind not in CLASSIFIER_TYPES:
+        raise UsageError(f"unknown classifier type {kind!r}: choose one of {', '.join(CLASSIFIER_TYPES)}")
+    if not 0 < target_recall <= 1:
+        raise UsageError(f"--target-recall must be in (0, 1], got {target_recall}")
+    check_output_dir(Path(out), overwrite, CLASSIFIER_CONFIG)
+
+
+def train_classifier(pair: Pair, labels: str | Path, out: str | Path, *, overwrite: bool = False,
+                     filters: dict[str, Any] | None = None, kind: str = "extended_v2", target_recall: float = 0.95,
+                     **options: Any) -> dict[str, Any]:
+    """Train, calibrate and save a pivot classifier (``classifier.training.train_from_labels`` options: layer,
+    epochs, seed, split_seed, compare_types, progress; ``filters``: the fields of
+    ``classifier.training.Filters``). Returns its config."""
+    check_train_classifier(labels, out, overwrite, kind, target_recall)
+    return train_from_labels(Path(labels), pair.target, Path(out), kind=kind, target_recall=target_recall,
+                             draft=pair.draft, filters=Filters(**(filters or {})), **options)
+
+
+def evaluate_classifier(classifier: str | Path, labels: str | Path, *, target: str | None = None,
+                        draft: str | None = None, dtype: str | None = None, device: str | None = None,
+                        out: str | Path | None = None, filters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A classifier on every (filtered) candidate of a labels file: AUROC, PR-AUC, P/R/F1 per threshold, the
+    stored references and ROC/PR plots in ``out`` (default: LABELS.eval-CLASSIFIER beside the labels; never
+    the classifier's directory, which may be inside the installed package). ``config`` in the result is the
+    classifier's own."""
+    classifier, labels = Path(classifier), Path(labels)
+    _, config = load_classifier(classifier)
+    _check_labels_file(labels)
+    if config["type"] == "extended" and not draft:
+        raise UsageError("this classifier reads draft scalars: pass --draft")
+    t = load_lm(target or config["target"]["name"], dtype, device=device)
+    d = load_lm(draft, dtype, device=device) if config["type"] == "extended" else None
+    plots = Path(out) if out else labels.with_name(f"{labels.stem}.eval-{classifier.name}")
+    report = evaluate_on_labels(classifier, labels, t, d, plots, Filters(**(filters or {})))
+    return {**report, "config": config}
