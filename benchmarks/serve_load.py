@@ -126,7 +126,7 @@ def main() -> None:
               "server_counters": served, "sum_of_responses": summed, "counters_match": served == summed}
     args.out.write_text(json.dumps(result, indent=1))
     print(f"{len(bodies)} streaming chat requests, {args.concurrency} concurrent, testbed pair, {args.method}, "
-          f"one decode at a time behind a FIFO queue")
+          f"the server in this process at its default --max-batch {settings.max_batch}")
     print("| failed | latency p50 | p95 | TTFT p50 | p95 | tokens/s | server counters = sum of responses |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {result['failed']} | {result['latency_p50_s']:.2f} s | {result['latency_p95_s']:.2f} s | "

@@ -65,7 +65,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
 
 
 class Server:
-    """The loaded pair, its FIFO worker and the counters; the routes below only translate HTTP."""
+    """The loaded pair, its batching scheduler and the counters; the routes below only translate HTTP."""
 
     def __init__(self, pair: api.Pair, settings: Settings):
         self.pair, self.settings, self.metrics = pair, settings, Metrics()
