@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -376,6 +377,9 @@ def test_rollout_policy_arguments(tiny_dir, tmp_path):
     fields, policy = api.rollout_policy(None, {"rollout_policy": "pad", "policy_classifier": "const:0.2",
                                               "policy_sigma": 0.4})
     assert fields["follow"] == "policy" and fields["policy"] == "pad(sigma=0.4,p_floor=0.0001,gamma=5) const:0.2"
+    shipped = api.default_classifier("testbed")  # named by directory and hash, not path: resumable elsewhere
+    fields, _ = api.rollout_policy(None, {"rollout_policy": "pad", "policy_classifier": shipped, "policy_sigma": 0.3})
+    assert re.fullmatch(r"pad\(sigma=0.3,p_floor=0.0001,gamma=5\) classifier#[0-9a-f]{12}", fields["policy"])
     assert main(["label", "--target", str(tiny_dir["llama_target"]), "--draft", str(tiny_dir["llama_draft"]),
                  "--task", "arith", "--n-problems", "1", "--rollouts", "2", "--max-walk-tokens", "4",
                  "--max-rollout-tokens", "4", "--min-target-rate", "-1", "--rollout-policy", "pad",

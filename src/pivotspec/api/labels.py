@@ -44,10 +44,12 @@ def rollout_policy(pair: Pair | None, fields: dict[str, Any],
     if not clf:
         raise UsageError("--rollout-policy pad needs a classifier: pass --policy-classifier DIR (this pair ships none)")
     policy = make_policy(pair, "pad", classifier=clf, sigma=sigma, pair_name=name)
-    shown = f"{policy.sigma:g}" if policy is not None else "?"
+    shown = f"{policy.sigma:g}" if policy is not None else (f"{sigma:g}" if sigma is not None else "?")
     floor = policy.p_floor if policy is not None else DEFAULT_P_FLOOR
-    fields["policy"] = (f"pad(sigma={shown},p_floor={floor:g},gamma={ROLLOUT_GAMMA}) "
-                        f"{runs.classifier_files_fingerprint(clf)}")
+    # The classifier by its directory's name and its files' hash, not its path: the same shipped classifier
+    # sits in a checkout on one machine and in site-packages on another, and a labels run must resume on both.
+    named = runs.classifier_files_fingerprint(clf).replace(clf, Path(clf).name, 1)
+    fields["policy"] = f"pad(sigma={shown},p_floor={floor:g},gamma={ROLLOUT_GAMMA}) {named}"
     return fields, policy
 
 
