@@ -233,3 +233,15 @@ def test_labels_stats_measures_how_well_p_d_alone_separates_pivots(trained, tiny
     assert "among non-pivots" in out and "AUROC: p(d) only" in out and "classifier" in out
     assert main(["labels", "stats", str(labels), "--classifier", str(clf_dir)]) == 2
     assert "needs the target" in capsys.readouterr().err
+
+
+def test_training_on_the_union_of_two_rounds(tiny_dir, tmp_path, capsys):
+    """Two labels files (rounds) whose problems and steps coincide: every candidate of both is kept, and a
+    problem's candidates from both rounds fall in one split (15 problems, not 30)."""
+    a, b = fake_labels(tmp_path / "round0.jsonl", seed=0), fake_labels(tmp_path / "round1.jsonl", seed=1)
+    assert main(["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(a), str(b),
+                 "--out", str(tmp_path / "clf"), "--layer", "2", "--epochs", "50"]) == 0
+    labels = json.loads((tmp_path / "clf" / "classifier.json").read_text())["labels"]
+    assert labels["files"] == ["round0.jsonl", "round1.jsonl"] and len(labels["sha256_16"]) == 2
+    assert labels["candidates"] == 2 * 15 * 8 and sum(labels["rows"].values()) == 240
+    assert sum(labels["problems"].values()) == 15

@@ -20,10 +20,20 @@ def _check_labels_file(labels: Path) -> None:
         raise UsageError(f"labels file {str(labels)!r} does not exist: check the path (or run `pivotspec label`)")
 
 
-def check_train_classifier(labels: str | Path, out: str | Path, overwrite: bool = False, kind: str = "extended_v2",
-                           target_recall: float = 0.95) -> None:
-    """A labels file, a classifier directory that may be written and the settings, before any model loads."""
-    _check_labels_file(Path(labels))
+def _label_paths(labels: str | Path | list[str | Path]) -> Path | list[Path]:
+    """One labels file, or several (their union: rounds of on-policy labels)."""
+    if isinstance(labels, list | tuple):
+        paths = [Path(p) for p in labels]
+        return paths[0] if len(paths) == 1 else paths
+    return Path(labels)
+
+
+def check_train_classifier(labels: str | Path | list[str | Path], out: str | Path, overwrite: bool = False,
+                           kind: str = "extended_v2", target_recall: float = 0.95) -> None:
+    """Labels files, a classifier directory that may be written and the settings, before any model loads."""
+    paths = _label_paths(labels)
+    for path in paths if isinstance(paths, list) else [paths]:
+        _check_labels_file(path)
     if kind not in CLASSIFIER_TYPES:
         raise UsageError(f"unknown classifier type {kind!r}: choose one of {', '.join(CLASSIFIER_TYPES)}")
     if not 0 < target_recall <= 1:
@@ -31,14 +41,15 @@ def check_train_classifier(labels: str | Path, out: str | Path, overwrite: bool 
     check_output_dir(Path(out), overwrite, CLASSIFIER_CONFIG)
 
 
-def train_classifier(pair: Pair, labels: str | Path, out: str | Path, *, overwrite: bool = False,
+def train_classifier(pair: Pair, labels: str | Path | list[str | Path], out: str | Path, *, overwrite: bool = False,
                      filters: dict[str, Any] | None = None, kind: str = "extended_v2", target_recall: float = 0.95,
                      **options: Any) -> dict[str, Any]:
     """Train, calibrate and save a pivot classifier (``classifier.training.train_from_labels`` options: layer,
     epochs, seed, split_seed, compare_types, progress; ``filters``: the fields of
-    ``classifier.training.Filters``). Returns its config."""
+    ``classifier.training.Filters``). ``labels``: a file, or a list of files trained on as one set (the union
+    of labeling rounds; a problem's candidates from every round go to one split). Returns its config."""
     check_train_classifier(labels, out, overwrite, kind, target_recall)
-    return train_from_labels(Path(labels), pair.target, Path(out), kind=kind, target_recall=target_recall,
+    return train_from_labels(_label_paths(labels), pair.target, Path(out), kind=kind, target_recall=target_recall,
                              draft=pair.draft, filters=Filters(**(filters or {})), **options)
 
 

@@ -26,7 +26,7 @@ file_hash = file_digest  # labels files are keyed by content, like GGUF conversi
 
 
 def candidates(records: list[dict]) -> list[dict]:
-    """Candidate records, de-duplicated by (problem, step) (the first record wins)."""
+    """Candidate records, de-duplicated by (file, problem, step) (the first record wins)."""
     seen, out = set(), []
     for n, r in enumerate(records, 1):
         if r.get("type") != "candidate":
@@ -35,7 +35,7 @@ def candidates(records: list[dict]) -> list[dict]:
         if missing:
             raise UsageError(f"labels record {n} lacks {', '.join(missing)}: this is not a file written by "
                              "`pivotspec label` (or it was edited); relabel or fix it")
-        key = (r["problem_id"], r["step"])
+        key = (r.get("source", 0), r["problem_id"], r["step"])  # source: which of several files (rounds)
         if key not in seen:
             seen.add(key)
             out.append(r)

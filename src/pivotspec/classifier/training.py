@@ -97,7 +97,23 @@ def reference_reports(refs: dict[str, dict[str, Any]], feats: dict[str, torch.Te
                                  feats["labels"][mask]) for name, ref in refs.items()}
 
 
-def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended_v2", layer: int = -8,
+def read_label_files(labels: Path | list[Path], target: LM) -> tuple[list[dict], str]:
+    """The records of one labels file, or of several (rounds of on-policy labels: their union), each checked
+    against ``target``; and a cache key for their features. Candidates of the k-th file carry ``source`` k, so
+    one problem's candidates from two rounds (same step, other trajectories) are all kept, while a problem's
+    rows stay in one split whatever round they come from (the split groups by problem id)."""
+    from pivotspec.store import read_records
+
+    files = labels if isinstance(labels, list) else [labels]
+    records = []
+    for k, path in enumerate(files):
+        mine = read_records(path, repair=False)
+        check_labels_target(mine, target, path)
+        records += [{**r, "source": k} if len(files) > 1 and r.get("type") == "candidate" else r for r in mine]
+    return records, "+".join(features.file_hash(f) for f in files)
+
+
+def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: str = "extended_v2", layer: int = -8,
                       target_recall: float = 0.95, draft: LM | None = None, epochs: int = 2000, seed: int = 0,
                       split_seed: int = 0, filters: Filters = Filters(), compare_types: bool = False,
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -105,15 +121,13 @@ def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended
     save to ``out``; returns the stored config. The caller (``api.train_classifier``) has checked the labels
     file, ``out`` and the settings."""
     from pivotspec.labels.walk import model_identity
-    from pivotspec.store import read_records
 
     if (kind == "extended" or compare_types) and draft is None:
         raise UsageError("classifier type 'extended' (and --compare-types) needs the draft: pass --draft or --pair")
     resolved = target.resolve_layer(layer)
-    records = read_records(labels, repair=False)
-    check_labels_target(records, target, labels)
+    records, cache_key = read_label_files(labels, target)
     feats = features.extract(target, records, resolved, draft if (kind == "extended" or compare_types) else None,
-                             cache_key=features.file_hash(labels))
+                             cache_key=cache_key)
     keep = filters.mask(feats)
     feats = {k: v[keep] for k, v in feats.items()}
     split = features.split_by_problem(feats["group"], seed=split_seed)
@@ -138,7 +152,9 @@ def train_from_labels(labels: Path, target: LM, out: Path, kind: str = "extended
         "features": ["hidden@draft_token"] + (["target_entropy", "target_prob_d"] if clf.n_scalars(kind) else [])
         + (["draft_entropy", "draft_prob_d"] if kind == "extended" else []),
         "target": model_identity(target), "sigma": sigma, "target_recall": target_recall,
-        "labels": {"file": labels.name, "sha256_16": features.file_hash(labels), "candidates": int(len(keep)),
+        "labels": {**({"file": labels.name, "sha256_16": cache_key} if isinstance(labels, Path) else
+                      {"files": [f.name for f in labels], "sha256_16": cache_key.split("+")}),
+                   "candidates": int(len(keep)),
                    "rows_after_filters": len(y),
                    "rows": {name: int((split == i).sum()) for i, name in enumerate(features.SPLITS)},
                    "problems": {name: int(len(torch.unique(feats["group"][split == i])))

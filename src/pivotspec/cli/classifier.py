@@ -95,7 +95,8 @@ def add_parsers(sub: Any) -> None:
                         "lr x weight-decay sweep chosen on selection, sigma calibrated on selection, held-out "
                         "metrics and logistic-regression references on report.")
     add_model_args(tr)
-    tr.add_argument("--labels", type=Path, required=True)
+    tr.add_argument("--labels", type=Path, nargs="+", required=True, help="labels file(s); several are trained on "
+                    "as one set (rounds of on-policy labels; a problem stays in one split across them)")
     tr.add_argument("--out", type=Path, required=True, help="classifier directory (refused if it holds one, "
                     "unless --overwrite)")
     tr.add_argument("--overwrite", action="store_true", help="replace the classifier in --out")
