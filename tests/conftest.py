@@ -10,6 +10,9 @@ import torch
 
 # The whole suite runs on one device: PIVOTSPEC_TEST_DEVICE (default cpu), e.g. cuda on a GPU machine.
 os.environ["PIVOTSPEC_DEVICE"] = os.environ.get("PIVOTSPEC_TEST_DEVICE", "cpu")
+# and in one dtype (default float32) whatever this CPU's fastest path is (load_lm's auto), so a result does
+# not move with the machine; tests of the fast path ask for their dtypes explicitly.
+os.environ["PIVOTSPEC_DTYPE"] = os.environ.get("PIVOTSPEC_TEST_DTYPE", "float32")
 # Under pytest-xdist each worker computes with one thread: two workers on two cores, not four threads fighting.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

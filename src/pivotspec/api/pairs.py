@@ -68,8 +68,8 @@ def load_pair(target: str | None = None, draft: str | None = None, *, pair: str 
               dtype: str | None = None, device: str | None = None, threads: int | None = None,
               needs_draft: bool = False, draft_dtype: str | None = None) -> Pair:
     """Load a target (and draft) once onto ``device`` (default auto: CUDA when available, else CPU); ``dtype``
-    defaults to bfloat16 on CUDA, float32 elsewhere (``draft_dtype``: the draft's, default ``dtype``). A draft
-    must share the target's tokenizer (checked)."""
+    defaults to bfloat16 on CUDA and ``auto`` on a CPU (see ``load_lm``; ``draft_dtype``: the draft's, default
+    ``dtype``). A draft must share the target's tokenizer (checked)."""
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     target_name, draft_name = resolve_names(target, draft, pair, needs_draft)

@@ -118,8 +118,8 @@ def add_parsers(sub: Any) -> None:
     ev.add_argument("--labels", type=Path, required=True)
     ev.add_argument("--target", help="default: the target the classifier was trained for")
     ev.add_argument("--draft", help="needed for 'extended' classifiers")
-    ev.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, else "
-                    "float32)")
+    ev.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default: as for decoding: "
+                    "bfloat16 on CUDA, auto on a CPU)")
     ev.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     ev.add_argument("--out", type=Path, help="where to write roc.png and pr.png (default: LABELS.eval-CLASSIFIER "
                     "next to the labels file)")

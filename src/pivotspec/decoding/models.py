@@ -180,6 +180,16 @@ def resolve(spec: str) -> tuple[Path | str, str | None]:
     return spec, None  # a hub id: loaded with local_files_only=True, so it must be in the local HF cache
 
 
+def cache_keyword(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` from transformers 5.24 (which still
+    takes the old name with a warning), ``past_key_values`` before it. An unknown keyword would be swallowed
+    by ``**kwargs`` and the model would decode without its cache, silently."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 @dataclass
 class LM:
     """A causal LM with its tokenizer, one KV cache and the ids that cache holds."""
@@ -236,13 +246,7 @@ class LM:
         return resolved
 
     def with_cache(self, cache: Any) -> dict[str, Any]:
-        """The keyword that hands ``cache`` to this model's forward: ``cache`` from transformers 5.24 (which
-        still takes the old name with a warning), ``past_key_values`` before it. An unknown keyword would be
-        swallowed by ``**kwargs`` and the model would decode without its cache, silently."""
-        import inspect
-
-        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        return {name: cache}
+        return cache_keyword(self.model, cache)
 
     def reset(self) -> None:
         from pivotspec.decoding.kvcache import growing_cache
@@ -330,26 +334,35 @@ class LM:
 
 
 def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None) -> LM:
-    """Load a causal LM (see module doc for accepted specs) onto ``device``; ``dtype`` defaults to bfloat16
-    on CUDA and float32 elsewhere. Errors are one-line UsageErrors."""
+    """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (the default
+    on a CPU: the fastest of float32 and, where the CPU has bfloat16 instructions, bfloat16, measured once
+    per machine and model; see ``fastpath``), ``float32``, ``bfloat16`` or ``float16``; None reads
+    ``$PIVOTSPEC_DTYPE``, else auto on a CPU and bfloat16 on CUDA. Errors are one-line UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pivotspec.decoding.fastpath import CACHE_FILE, FLOAT_DTYPES, choose, convert
 
     quiet_transformers()
     if num_threads:
         torch.set_num_threads(num_threads)
     dev = resolve_device(device)
-    dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
-    if torch_dtype is None:
-        raise UsageError(f"unknown dtype {dtype!r}: choose float32, bfloat16 or float16")
+    dtype = dtype or os.environ.get("PIVOTSPEC_DTYPE") or ("auto" if dev.type == "cpu" else "bfloat16")
+    if dtype != "auto" and dtype not in FLOAT_DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
+    # On a CPU the model loads in float32 and ``fastpath`` casts and packs it; elsewhere it loads as asked.
+    load_dtype = "float32" if dev.type == "cpu" else ("bfloat16" if dtype == "auto" else dtype)
     source, _ = resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=FLOAT_DTYPES[load_dtype], local_files_only=True)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"cannot load model {spec!r} ({first}): give a local directory or a registered name") from exc
     model.to(dev).eval()
+    if dev.type == "cpu":
+        path = choose(model, source, lambda c: cache_keyword(model, c), cache_dir() / CACHE_FILE,
+                      None if dtype == "auto" else dtype, spec)
+        convert(model, path)
     map_file = Path(source) / VOCAB_MAP_FILE if isinstance(source, Path) else None
     if map_file is not None and map_file.is_file():
         info = json.loads(map_file.read_text())

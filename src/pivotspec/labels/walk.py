@@ -111,24 +111,34 @@ def success_rates(task: Task, problem: Problem, tokenizer: Any, generated: list[
 
 
 def model_identity(lm: LM) -> dict:
-    """What a label or a classifier was made with: the model's name, shape and a fingerprint of its weights
-    (a retrained model keeps its name and shape)."""
+    """What a label or a classifier was made with: the model's name, shape, a fingerprint of its weights (a
+    retrained model keeps its name and shape) and the dtype it computed in."""
     return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size,
-            "weights": lm.weights_fingerprint}
+            "weights": lm.weights_fingerprint, "dtype": str(lm.model.dtype).removeprefix("torch.")}
 
 
 def same_model(a: dict | None, b: dict | None) -> bool:
-    """Two model identities agree on every field both have: files written before a field existed (such as
-    "weights") still match on the rest."""
+    """Two model identities name the same weights: they agree on every field both have, the dtype aside
+    (labels made in float32 train a classifier for the same model in bfloat16). Files written before a field
+    existed (such as "weights") still match on the rest."""
     if not isinstance(a, dict) or not isinstance(b, dict):
         return a == b
-    return all(a[k] == b[k] for k in a.keys() & b.keys())
+    return all(a[k] == b[k] for k in (a.keys() & b.keys()) - {"dtype"})
+
+
+def same_run(a: dict | None, b: dict | None) -> bool:
+    """The same weights computing in the same dtype: what resuming a labels file needs, since rollouts in
+    another dtype sample other tokens. Files from before the dtype was recorded were all float32."""
+    def dtype(m: dict | None) -> str | None:
+        return m.get("dtype", "float32") if isinstance(m, dict) else None
+
+    return same_model(a, b) and dtype(a) == dtype(b)
 
 
 def identity_diff(a: dict, b: dict) -> list[str]:
     """The ``IDENTITY`` fields on which two labels records (or a record and a run) differ."""
     def same(k: str) -> bool:
-        return same_model(a.get(k), b.get(k)) if k in ("target", "draft") else a.get(k) == b.get(k)
+        return same_run(a.get(k), b.get(k)) if k in ("target", "draft") else a.get(k) == b.get(k)
 
     return sorted(k for k in IDENTITY if not same(k))
 

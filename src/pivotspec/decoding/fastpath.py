@@ -1,0 +1,267 @@
+"""The fastest exact CPU path for one model on this machine: weight dtype and linear kernels, chosen by
+measurement and cached per machine and model.
+
+Why: a transformer's decode step on a CPU is a stream of matrix-vector products, bound by reading the
+weights. PyTorch's plain ``F.linear`` reaches about a third of the read bandwidth at one row (measured: a
+bfloat16 576x1536 layer at 8 GB/s against 28 GB/s for a sum over the same bytes), because it hands oneDNN
+the weights in their stored layout on every call and one row of bfloat16 goes through a slow path.
+:class:`PackedLinear` reorders each weight once into oneDNN's blocked layout (what ``torch.compile``'s
+freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
+made the 6-row verification forward no slower than the 1-row one.
+
+Which kernels win depends on the CPU and on the model's shapes, so :func:`choose` times 1- and 6-token
+forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
+under a key of the CPU, torch version, thread count and model files. Auto keeps to float32; bfloat16 is
+asked for (``--dtype bfloat16``). Two things keep greedy SD equal to the target alone within a dtype: a
+single row goes through the many-row kernel (:class:`PackedLinear`), and a short verification block attends
+one query at a time in float32 (:func:`sdpa_in_float32`); without them the two part at near-ties in
+bfloat16 (tested).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_FILE = "fastpath.json"
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` whose weight is also held in oneDNN's prepacked layout. The original parameter stays
+    (shared, so a lm_head tied to the embeddings stays tied, and fingerprints and state dicts see it)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # The batch-size hint only guides oneDNN's blocking; any number of rows runs on the packed weight.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] == 1:
+            # oneDNN computes one row with another kernel (it splits the sum differently) than two or more,
+            # and the results part at rounding: in bfloat16 a whole step, enough to move greedy SD away from
+            # the target alone. Two rows (the second all zeros) take the many-row kernel, at about the same
+            # cost, since the weights are read once either way.
+            out = torch.ops.mkldnn._linear_pointwise(torch.cat([flat, torch.zeros_like(flat)]), self.packed,
+                                                     self.bias, "none", [], "")[:1]
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+FLOAT32_ATTENTION = "pivotspec_sdpa_float32"
+VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time
+
+
+def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention computed in float32 and returned in the model's dtype, one query at a time
+    over exactly the keys it sees when a single sequence verifies a short block.
+
+    Why: PyTorch's CPU attention sums a row over all the keys of the call, masked ones included, so a query
+    computed beside later ones (SD's verification) was summed in another order than the same query alone
+    (the target's decode step). In float32 that is about 1e-7; in bfloat16 it moved a row by a whole bfloat16
+    step, and greedy SD parted from the target alone at near-ties (measured on the tiny test models and the
+    testbed). Float32 makes the step rare, and the per-query call makes the block's rows the decode step's
+    own computation, bit for bit; the upcast reads the cache once more, small next to the weights."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dtype = query.dtype
+    q, k, v = query.float(), key.float(), value.float()
+    width, total = q.shape[-2], k.shape[-2]
+    if q.shape[0] == 1 and 1 < width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None:
+        kwargs = {**kwargs, "is_causal": False}
+        rows = [sdpa_attention_forward(module, q[..., i:i + 1, :], k[..., :total - width + i + 1, :],
+                                       v[..., :total - width + i + 1, :], None, *args, **kwargs)[0]
+                for i in range(width)]
+        return torch.cat(rows, dim=1).to(dtype), None
+    mask = attention_mask
+    if mask is not None and mask.is_floating_point():
+        mask = mask.float()
+    out, weights = sdpa_attention_forward(module, q, k, v, mask, *args, **kwargs)
+    return out.to(dtype), weights
+
+
+def attention_in_float32(model: nn.Module) -> None:
+    """Make a model's attention go through :func:`sdpa_in_float32` (its masks stay SDPA's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FLOAT32_ATTENTION, sdpa_in_float32)
+    AttentionMaskInterface.register(FLOAT32_ATTENTION, sdpa_mask)
+    for config in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
+        config._attn_implementation = FLOAT32_ATTENTION
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of a CPU model by a :class:`PackedLinear`; returns how many."""
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod))
+    return len(targets)
+
+
+def is_packed(model: nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def capabilities() -> dict[str, Any]:
+    """What decides the candidates: the vector ISA torch dispatches to, the bfloat16 instructions, AMX, and
+    whether oneDNN runs bfloat16 natively here (it emulates it, slowly, on AVX2-only CPUs)."""
+    flags = cpu_flags()
+    return {
+        "cpu": cpu_name(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+        "onednn_bf16": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    }
+
+
+@dataclass(frozen=True)
+class CpuPath:
+    """One way to run a model on the CPU: weight dtype and whether linears use packed oneDNN weights."""
+
+    dtype: str
+    packed: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.dtype}{' packed' if self.packed else ''}"
+
+
+def candidates(caps: dict[str, Any], dtype: str | None = None) -> list[CpuPath]:
+    """The paths worth timing. Auto (``dtype`` None) keeps to float32, plain or packed: the fastest path that
+    keeps every exactness promise, batched rows included (in bfloat16 a row decoded in a batch can part from
+    the same row alone at a near-tie, measured; see the README). An asked-for dtype gets its own kernels,
+    packed where oneDNN has them for it (bfloat16 natively only with AVX512-BF16 or AMX)."""
+    if dtype is None or dtype == "float32":
+        return [CpuPath("float32", False), CpuPath("float32", True)]
+    if dtype == "bfloat16" and caps["onednn_bf16"]:
+        return [CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
+    return [CpuPath(dtype, False)]
+
+
+def model_key(source: Path | str) -> str:
+    """The model's files as they are now: path, and size and mtime of each weight file."""
+    parts = [str(source)]
+    folder = Path(source)
+    if folder.is_dir():
+        for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            st = f.stat()
+            parts.append(f"{f.name}:{st.st_size}:{int(st.st_mtime)}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def machine_key() -> str:
+    caps = capabilities()
+    return f"{caps['cpu']}|{caps['isa']}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+def time_forwards(model: nn.Module, with_cache: Any, reps: int = 7, context: int = 64) -> dict[str, float]:
+    """Median ms of a 1-token and a 6-token forward after ``context`` cached tokens (the decode step and SD's
+    verification at gamma 5), each rep on a fresh cache of the same contents."""
+    from pivotspec.decoding.kvcache import growing_cache
+
+    vocab = int(model.config.vocab_size)
+    prompt = torch.arange(context, dtype=torch.long).remainder(vocab).unsqueeze(0)
+    out = {}
+    with torch.inference_mode():
+        for width in (1, 6):
+            step = torch.arange(width, dtype=torch.long).remainder(vocab).unsqueeze(0)
+            times = []
+            for _ in range(reps + 2):
+                cache = growing_cache(model.config)
+                model(input_ids=prompt, **with_cache(cache), use_cache=True, logits_to_keep=1)
+                start = time.perf_counter()
+                model(input_ids=step, **with_cache(cache), use_cache=True, logits_to_keep=width)
+                times.append(time.perf_counter() - start)
+            out[f"{width}_token_ms"] = statistics.median(times[2:]) * 1e3
+    return out
+
+
+def convert(model: nn.Module, path: CpuPath) -> nn.Module:
+    """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked."""
+    model.to(FLOAT_DTYPES[path.dtype])
+    if path.dtype != "float32":
+        attention_in_float32(model)
+    if path.packed:
+        pack_linears(model)
+    return model
+
+
+def measure(model: nn.Module, with_cache: Any, paths: list[CpuPath]) -> dict[str, dict[str, float]]:
+    """Forward timings of each path on copies of ``model`` (a float32 CPU model, left as it is)."""
+    results = {}
+    for path in paths:
+        trial = convert(copy.deepcopy(model), path)
+        results[path.label] = time_forwards(trial, with_cache)
+        del trial
+    return results
+
+
+def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, dtype: str | None = None,
+           name: str = "model") -> CpuPath:
+    """The fastest path for this float32 CPU ``model`` (read from the cache, or measured once and cached):
+    the least time for a 1-token plus a 6-token forward. ``dtype`` restricts the choice to that dtype's
+    kernels (packed or not). ``store``: the JSON file of verdicts."""
+    paths = candidates(capabilities(), dtype)
+    if len(paths) == 1:
+        return paths[0]
+    key = f"{machine_key()}|{model_key(source)}|{','.join(p.label for p in paths)}"
+    try:
+        cached = json.loads(store.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key)
+    if entry is None:
+        timings = measure(model, with_cache, paths)
+        best = min(paths, key=lambda p: timings[p.label]["1_token_ms"] + timings[p.label]["6_token_ms"])
+        entry = {"choice": asdict(best), "timings": timings, "model": str(source)}
+        cached[key] = entry
+        store.parent.mkdir(parents=True, exist_ok=True)
+        tmp = store.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, store)
+        shown = ", ".join(f"{k} {v['1_token_ms']:.0f}/{v['6_token_ms']:.0f} ms" for k, v in timings.items())
+        logging.getLogger("pivotspec").info("%s on this CPU runs fastest as %s (1-/6-token forward: %s); kept in %s",
+                                            name, best.label, shown, store)
+    return CpuPath(**entry["choice"])

@@ -1,0 +1,145 @@
+"""The CPU fast path: packed oneDNN linears, the dtype chosen by measurement and cached, and exactness kept
+within a dtype (greedy SD and PAD at sigma 0 equal the target alone; a row alone equals the row in a batch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from pivotspec.decoding import fastpath
+from pivotspec.decoding.acceptance import PAD, constant_classifier
+from pivotspec.decoding.fastpath import CpuPath, PackedLinear, candidates, choose, pack_linears
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.models import load_lm
+
+BF16 = fastpath.capabilities()["onednn_bf16"]
+needs_bf16 = pytest.mark.skipif(not BF16, reason="oneDNN runs bfloat16 natively only on CPUs with AVX512-BF16/AMX")
+DTYPES = ["float32", pytest.param("bfloat16", marks=needs_bf16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_computes_the_plain_linear(dtype):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).to(getattr(torch, dtype))
+    packed = PackedLinear(lin)
+    x = torch.randn(2, 5, 64, dtype=lin.weight.dtype)
+    with torch.inference_mode():
+        ref, got = lin(x).float(), packed(x).float()
+    assert got.shape == ref.shape
+    # one rounding of the output apart at most: bfloat16 keeps 8 bits, float32 24
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    assert torch.allclose(got, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_alone_equals_the_row_among_others(dtype):
+    """What keeps greedy SD equal to the target alone: a 6-token verification gives each row the numbers the
+    1-token decode step gives it (bit for bit in bfloat16, where a last-bit difference moves the output)."""
+    torch.manual_seed(1)
+    packed = PackedLinear(nn.Linear(576, 1536, bias=False).to(getattr(torch, dtype)))
+    x = torch.randn(6, 576, dtype=packed.weight.dtype)
+    with torch.inference_mode():
+        together = packed(x)
+        alone = torch.cat([packed(x[i:i + 1]) for i in range(6)])
+    if dtype == "bfloat16":
+        assert torch.equal(together, alone)
+    else:
+        assert torch.allclose(together, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_keeps_tied_weights_tied_and_every_linear_packed(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    n = pack_linears(model)
+    assert n == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_candidates_follow_the_cpu_and_auto_keeps_to_float32():
+    plain = {"onednn_bf16": False, "avx512_bf16": False, "amx_bf16": False}
+    bf16 = {"onednn_bf16": True, "avx512_bf16": True, "amx_bf16": False}
+    assert {p.label for p in candidates(bf16)} == {"float32", "float32 packed"}  # auto: exact everywhere
+    assert {p.label for p in candidates(bf16, "bfloat16")} == {"bfloat16", "bfloat16 packed"}
+    # asked for bfloat16 on a CPU without the instructions: it gets it (emulated, unpacked), never float32
+    assert [p.label for p in candidates(plain, "bfloat16")] == ["bfloat16"]
+
+
+def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, tiny_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
+    fake = {"float32": (3.0, 9.0), "float32 packed": (4.0, 6.0), "bfloat16": (3.0, 8.0), "bfloat16 packed": (4.0, 4.0)}
+    calls = []
+
+    def measure(_model, _with_cache, paths):
+        calls.append([p.label for p in paths])
+        return {p.label: {"1_token_ms": fake[p.label][0], "6_token_ms": fake[p.label][1]} for p in paths}
+
+    monkeypatch.setattr(fastpath, "measure", measure)
+    monkeypatch.setattr(fastpath, "capabilities", lambda: {"cpu": "test", "isa": "AVX512", "avx512_bf16": True,
+                                                           "amx_bf16": False, "onednn_bf16": True})
+    store = tmp_path / "fastpath.json"
+    args = (model, tiny_dir["llama_target"], None, store)
+    assert choose(*args) == CpuPath("float32", True)  # least 1-token + 6-token time
+    assert choose(*args) == CpuPath("float32", True)
+    assert len(calls) == 1  # the second answer came from the cache
+    assert choose(*args, dtype="bfloat16") == CpuPath("bfloat16", True)
+    assert len(calls) == 2
+    entries = json.loads(store.read_text()).values()
+    assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype):
+    target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
+    draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
+    assert str(target.model.dtype) == f"torch.{dtype}"
+    pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
+    for ids in ([3, 4, 5], [7, 2, 9, 11, 4, 6], [20]):
+        ar = decode("ar", target, None, ids, max_new_tokens=24, eos_ids=set())
+        sd = decode("sd", target, draft, ids, gamma=5, max_new_tokens=24, eos_ids=set())
+        pd = decode("pad", target, draft, ids, pad, gamma=5, max_new_tokens=24, eos_ids=set())
+        assert sd.token_ids == ar.token_ids == pd.token_ids
+
+
+def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, monkeypatch):
+    from pivotspec.labels.walk import model_identity, same_model, same_run
+
+    monkeypatch.setenv("PIVOTSPEC_CACHE", str(tmp_path))
+    lm = load_lm(str(tiny_dir["llama_draft"]), dtype="auto")
+    entry = next(iter(json.loads((tmp_path / fastpath.CACHE_FILE).read_text()).values()))
+    assert str(lm.model.dtype).removeprefix("torch.") == entry["choice"]["dtype"]
+    assert fastpath.is_packed(lm.model) == entry["choice"]["packed"]
+    assert entry["choice"]["dtype"] == "float32"
+    other = load_lm(str(tiny_dir["llama_draft"]), dtype="bfloat16")
+    a, b = model_identity(lm), model_identity(other)
+    assert a["dtype"] != b["dtype"]
+    assert same_model(a, b)  # the same weights: labels made in one dtype train a classifier in the other
+    assert not same_run(a, b)  # but a labels file does not resume in another dtype
+    old = {k: v for k, v in b.items() if k != "dtype"}  # written before dtypes were recorded: all float32
+    assert same_run(old, {**b, "dtype": "float32"}) and not same_run(old, {**b, "dtype": "bfloat16"})
+
+
+@pytest.mark.slow  # real models
+@needs_bf16
+def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16():
+    from pivotspec import api
+    from pivotspec.decoding.models import eos_ids
+    from pivotspec.tasks import encode_problem
+
+    pair = api.load_pair(pair="testbed", dtype="bfloat16")
+    assert fastpath.is_packed(pair.target.model)
+    task = api.get_task("arith")
+    pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
+    for problem in task.problems("validation", 4):
+        ids = encode_problem(pair.target.tokenizer, problem)
+        kw = dict(max_new_tokens=64, eos_ids=eos_ids(pair.target))
+        ar = decode("ar", pair.target, None, ids, **kw)
+        assert decode("sd", pair.target, pair.draft, ids, gamma=5, **kw).token_ids == ar.token_ids
+        assert decode("pad", pair.target, pair.draft, ids, pad, gamma=5, **kw).token_ids == ar.token_ids
