@@ -1,0 +1,180 @@
+"""CPU forwards against the time to read the weights and against llama.cpp: one run, one table.
+
+    python benchmarks/cpu_forwards.py --out benchmarks/results/cpu_forwards.json
+
+Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec
+number before the fast path; float32 packed, what ``--dtype auto`` picks here; bfloat16 plain and packed,
+``--dtype bfloat16``): median ms of a 1-token and a 6-token forward after 64 cached tokens (interleaved
+repeats), the bytes of weights, and the time to read them once at this machine's read bandwidth, measured
+here (median of summing a 512 MB buffer). Then ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped
+classifier) on the testbed pair per path, interleaved over arith validation problems; and llama.cpp
+(llama-cpp-python from a benchmark-only environment, ``--llama-python``) decoding SmolLM2 from the shipped
+Q4_1 GGUF. Each row says how its tokens compare with float32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pivotspec import api
+from pivotspec.decoding import fastpath
+from pivotspec.decoding.fastpath import CpuPath
+
+PATHS = [CpuPath("float32", False), CpuPath("float32", True), CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
+LLAMA = r"""
+import json, sys, time, statistics
+from llama_cpp import Llama
+path, threads, n, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
+prompt = llm.tokenize(b"Mia has 3 apples and buys 4 more. How many apples does she have now? Answer:")
+times = []
+for r in range(reps + 1):
+    llm.reset(); llm.eval(prompt)
+    start = time.perf_counter()
+    for _ in range(n):
+        tok = llm.sample(temp=0.0); llm.eval([tok])
+    times.append((time.perf_counter() - start) / n * 1000)
+print(json.dumps({"ms_per_token": statistics.median(times[1:])}))
+"""
+
+
+def read_bandwidth_gbs(reps: int = 7) -> float:
+    buf = torch.ones(128 * 1024 * 1024)  # 512 MB, far beyond any cache
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return buf.numel() * 4 / statistics.median(times) / 1e9
+
+
+def unpacked(model: nn.Module) -> nn.Module:
+    """A packed model's plain twin (the weights are shared)."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, fastpath.PackedLinear):
+            lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            lin.weight, lin.bias = mod.weight, mod.bias
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, lin)
+    return model
+
+
+def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
+    lm = api.load_model(name, dtype="float32")
+    base = unpacked(lm.model)
+    rows = []
+    models = {p.label: fastpath.convert(copy.deepcopy(base), p) for p in PATHS}
+    timings: dict[str, list[dict]] = {k: [] for k in models}
+    for r in range(reps):  # interleaved: each repeat times every path
+        for label in (list(models) if r % 2 == 0 else list(models)[::-1]):
+            timings[label].append(fastpath.time_forwards(models[label], lm.with_cache, reps=3))
+    for p in PATHS:
+        m = models[p.label]
+        nbytes = sum(t.numel() * t.element_size() for t in m.parameters())
+        one = statistics.median(t["1_token_ms"] for t in timings[p.label])
+        six = statistics.median(t["6_token_ms"] for t in timings[p.label])
+        read_ms = nbytes / bandwidth / 1e6
+        rows.append({"model": name, "path": p.label, "weights_mb": round(nbytes / 1e6), "read_ms": read_ms,
+                     "1_token_ms": one, "6_token_ms": six, "6_over_1": six / one, "1_token_over_read": one / read_ms})
+    return rows
+
+
+def decoding(n: int, reps: int, max_new: int) -> list[dict]:
+    pairs = {}
+    for p in PATHS:
+        pair = api.load_pair(pair="testbed", dtype=p.dtype)
+        if not p.packed:
+            unpacked(pair.target.model), unpacked(pair.draft.model)
+        pairs[p.label] = pair
+    policies = {k: api.make_policy(pr, "pad", pair_name="testbed") for k, pr in pairs.items()}
+    problems = api.get_task("arith").problems("validation", n)
+    methods = ["ar", "sd", "pad"]
+    walls = {(k, m): [] for k in pairs for m in methods}
+    tokens = {}
+    for k in pairs:  # warm-up
+        api.generate(pairs[k], problems[0].prompt, messages=problems[0].messages or None, max_new_tokens=8)
+    for r in range(reps):
+        for prob in problems:
+            for k in (list(pairs) if r % 2 == 0 else list(pairs)[::-1]):
+                for m in methods:
+                    g = api.generate(pairs[k], prob.prompt, messages=prob.messages or None, method=m, gamma=5,
+                                     policy=policies[k] if m == "pad" else None, max_new_tokens=max_new)
+                    walls[k, m].append((g.stats["wall_s"], g.stats["new_tokens"]))
+                    if r == 0:
+                        tokens.setdefault((k, m), []).append(g.token_ids)
+    rows = []
+    for k in pairs:
+        for m in methods:
+            per_rep = [walls[k, m][i * n:(i + 1) * n] for i in range(reps)]
+            ms = statistics.median(1000 * sum(w for w, _ in rep) / sum(t for _, t in rep) for rep in per_rep)
+            same = sum(a == b for a, b in zip(tokens[k, m], tokens["float32", m], strict=True))
+            rows.append({"path": k, "method": m, "ms_per_token": ms, "same_tokens_as_float32": f"{same}/{n}",
+                         "sd_equals_ar": (sum(a == b for a, b in zip(tokens[k, "sd"], tokens[k, "ar"], strict=True))
+                                          if m == "sd" else None)})
+    base = {m: next(r["ms_per_token"] for r in rows if r["path"] == "float32" and r["method"] == m) for m in methods}
+    for r in rows:
+        r["speedup_vs_float32"] = base[r["method"]] / r["ms_per_token"]
+    return rows
+
+
+def llama_cpp(python: str, threads: int, n: int, reps: int) -> dict | None:
+    from pivotspec.decoding.models import _smollm2_gguf
+
+    if not Path(python).exists():
+        return None
+    out = subprocess.run([python, "-c", LLAMA, str(_smollm2_gguf()), str(threads), str(n), str(reps)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats of the forward timings")
+    ap.add_argument("--n", type=int, default=6, help="arith validation problems for the decoding rows")
+    ap.add_argument("--decode-repeats", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--llama-python", default=".venv-llama/bin/python",
+                    help="a Python with llama-cpp-python 0.3.36 (benchmark only; absent: the peer row is skipped)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_forwards.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    result = {"machine": fastpath.capabilities(), "torch": torch.__version__, "threads": args.threads}
+    result["read_bandwidth_gbs"] = bw = read_bandwidth_gbs()
+    print(f"{result['machine']['cpu']} ({result['machine']['isa']}), read bandwidth {bw:.1f} GB/s")
+    result["forwards"] = []
+    for name in ("testbed-target", "testbed-draft", "smollm2-135m-instruct"):
+        result["forwards"] += forwards(name, args.repeats, bw)
+    print(f"{'model':22} {'path':16} {'MB':>5} {'read ms':>8} {'1-tok ms':>9} {'6-tok ms':>9} {'6/1':>5} {'1/read':>7}")
+    for r in result["forwards"]:
+        print(f"{r['model']:22} {r['path']:16} {r['weights_mb']:5} {r['read_ms']:8.1f} {r['1_token_ms']:9.1f} "
+              f"{r['6_token_ms']:9.1f} {r['6_over_1']:5.2f} {r['1_token_over_read']:7.2f}", flush=True)
+    peer = llama_cpp(args.llama_python, args.threads, 64, 5)
+    result["llama_cpp_smollm2_q4_1"] = peer
+    if peer:
+        ours = min(r["1_token_ms"] for r in result["forwards"] if r["model"] == "smollm2-135m-instruct")
+        print(f"llama.cpp SmolLM2 Q4_1: {peer['ms_per_token']:.1f} ms/token; pivotspec's fastest 1-token forward "
+              f"{ours:.1f} ms ({ours / peer['ms_per_token']:.2f}x)")
+    result["decoding"] = decoding(args.n, args.decode_repeats, args.max_new_tokens)
+    print(f"{'path':16} {'method':6} {'ms/token':>9} {'vs f32':>7} {'same as f32':>12} {'sd==ar':>7}")
+    for r in result["decoding"]:
+        sd_ar = "" if r["sd_equals_ar"] is None else f"{r['sd_equals_ar']}/{args.n}"
+        print(f"{r['path']:16} {r['method']:6} {r['ms_per_token']:9.1f} {r['speedup_vs_float32']:6.2f}x "
+              f"{r['same_tokens_as_float32']:>12} {sd_ar:>7}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
