@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
 from pivotspec import api
 from pivotspec.decoding import fastpath
@@ -58,20 +59,18 @@ def read_bandwidth_gbs(reps: int = 7) -> float:
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
-def unpacked(model: nn.Module) -> nn.Module:
-    """A packed model's plain twin (the weights are shared)."""
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, fastpath.PackedLinear):
-            lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
-            lin.weight, lin.bias = mod.weight, mod.bias
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, lin)
-    return model
+def load_plain(load: Any, *args: Any, **kwargs: Any) -> Any:
+    """``load`` with the packed kernels ruled out (float32 plain: pivotspec before the fast path)."""
+    os.environ["PIVOTSPEC_CPU_KERNELS"] = "plain"
+    try:
+        return load(*args, **kwargs)
+    finally:
+        del os.environ["PIVOTSPEC_CPU_KERNELS"]
 
 
 def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
-    lm = api.load_model(name, dtype="float32")
-    base = unpacked(lm.model)
+    lm = load_plain(api.load_model, name, dtype="float32")
+    base = lm.model
     rows = []
     models = {p.label: fastpath.convert(copy.deepcopy(base), p) for p in PATHS}
     timings: dict[str, list[dict]] = {k: [] for k in models}
@@ -92,10 +91,8 @@ def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
 def decoding(n: int, reps: int, max_new: int) -> list[dict]:
     pairs = {}
     for p in PATHS:
-        pair = api.load_pair(pair="testbed", dtype=p.dtype)
-        if not p.packed:
-            unpacked(pair.target.model), unpacked(pair.draft.model)
-        pairs[p.label] = pair
+        pairs[p.label] = (api.load_pair(pair="testbed", dtype=p.dtype) if p.packed
+                          else load_plain(api.load_pair, pair="testbed", dtype=p.dtype))
     policies = {k: api.make_policy(pr, "pad", pair_name="testbed") for k, pr in pairs.items()}
     problems = api.get_task("arith").problems("validation", n)
     methods = ["ar", "sd", "pad"]

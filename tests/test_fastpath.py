@@ -50,15 +50,27 @@ def test_a_row_alone_equals_the_row_among_others(dtype):
         assert torch.allclose(together, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_packing_keeps_tied_weights_tied_and_every_linear_packed(tmp_path):
+def test_packing_fuses_shared_inputs_keeps_weights_and_ties_and_computes_the_same(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    n = pack_linears(model)
-    assert n == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).eval()
+    ids = torch.tensor([[3, 9, 4, 17, 5]])
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits
+    names = sorted(n for n, _ in model.named_parameters())
+    assert pack_linears(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
     assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.model.layers[0].self_attn.k_proj, fastpath.FusedMember)
+    assert isinstance(model.model.layers[0].mlp.up_proj, fastpath.FusedMember)
+    assert sorted(n for n, _ in model.named_parameters()) == names  # fingerprints and state dicts unchanged
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+        one = model(input_ids=ids[:, :1]).logits  # a lone row: the padded path
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(one, ref[:, :1], atol=1e-5, rtol=1e-5)
 
 
 def test_candidates_follow_the_cpu_and_auto_keeps_to_float32():
@@ -90,6 +102,9 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert choose(*args) == CpuPath("float32", True)
     assert len(calls) == 1  # the second answer came from the cache
     assert choose(*args, dtype="bfloat16") == CpuPath("bfloat16", True)
+    assert len(calls) == 2
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "plain")  # pinned: no measurement
+    assert choose(*args, dtype="bfloat16") == CpuPath("bfloat16", False)
     assert len(calls) == 2
     entries = json.loads(store.read_text()).values()
     assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
