@@ -118,28 +118,54 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that
 VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time
 
 
+def key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> list[list[int]] | None:
+    """How many leading keys each query of a block sees, when every query sees a prefix of the keys (full
+    attention over a single sequence's cache or over the batch's slot cache); None otherwise (a sliding
+    window, a float mask), where attention goes through SDPA whole."""
+    if mask is None:
+        return [[total - width + i + 1 for i in range(width)]] * rows
+    if mask.dtype != torch.bool or mask.shape[1] != 1:
+        return None
+    visible = mask[:, 0]
+    counts = visible.sum(-1)
+    if not torch.equal(visible.int().cummin(-1).values.sum(-1), counts):  # something after a hidden key
+        return None
+    return counts.tolist()
+
+
 def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention computed in float32 and returned in the model's dtype, one query at a time
-    over exactly the keys it sees when a single sequence verifies a short block.
+    over exactly the keys it sees, for short blocks (SD's verification, batched decode steps).
 
     Why: PyTorch's CPU attention sums a row over all the keys of the call, masked ones included, so a query
-    computed beside later ones (SD's verification) was summed in another order than the same query alone
-    (the target's decode step). In float32 that is about 1e-7; in bfloat16 it moved a row by a whole bfloat16
-    step, and greedy SD parted from the target alone at near-ties (measured on the tiny test models and the
-    testbed). Float32 makes the step rare, and the per-query call makes the block's rows the decode step's
-    own computation, bit for bit; the upcast reads the cache once more, small next to the weights."""
+    computed beside later ones (SD's verification) or beside longer rows (a batch) was summed in another
+    order than the same query alone (the target's decode step). In float32 that is about 1e-7; in bfloat16
+    it moved a row by a whole bfloat16 step, and greedy SD, and batched rows, parted from the target alone
+    at near-ties (measured on the tiny test models and the testbed). Float32 makes the step rare, and the
+    per-query call makes every row the lone decode step's own computation, bit for bit; the upcast reads the
+    cache once more, small next to the weights. Prefills (a fresh cache) and sliding windows go whole."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = query.dtype
     q, k, v = query.float(), key.float(), value.float()
-    width, total = q.shape[-2], k.shape[-2]
-    if q.shape[0] == 1 and 1 < width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None:
+    rows, width, total = q.shape[0], q.shape[-2], k.shape[-2]
+    short = width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None
+    if short and attention_mask is None and width > 1:
+        # one sequence verifying a block: one call per query over exactly its keys. (Rollouts of one prefix
+        # also come without a mask, one token wide: they go whole, as nothing compares them with batch 1.)
         kwargs = {**kwargs, "is_causal": False}
-        rows = [sdpa_attention_forward(module, q[..., i:i + 1, :], k[..., :total - width + i + 1, :],
-                                       v[..., :total - width + i + 1, :], None, *args, **kwargs)[0]
-                for i in range(width)]
-        return torch.cat(rows, dim=1).to(dtype), None
+        out = torch.cat([sdpa_attention_forward(module, q[:, :, i:i + 1], k[:, :, :total - width + i + 1],
+                                                v[:, :, :total - width + i + 1], None, *args, **kwargs)[0]
+                         for i in range(width)], dim=1)
+        return out.to(dtype), None
+    counts = key_counts(attention_mask, rows, width, total) if short and attention_mask is not None else None
+    if counts is not None:  # the batch's rows, each over its own keys
+        kwargs = {**kwargs, "is_causal": False}
+        out = torch.cat([torch.cat([sdpa_attention_forward(module, q[b:b + 1, :, i:i + 1], k[b:b + 1, :, :n],
+                                                           v[b:b + 1, :, :n], None, *args, **kwargs)[0]
+                                    for i, n in enumerate(counts[b])], dim=1) for b in range(rows)])
+        return out.to(dtype), None
     mask = attention_mask
     if mask is not None and mask.is_floating_point():
         mask = mask.float()
