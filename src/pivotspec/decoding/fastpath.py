@@ -12,10 +12,10 @@ made the 6-row verification forward no slower than the 1-row one.
 Which kernels win depends on the CPU and on the model's shapes, so :func:`choose` times 1- and 6-token
 forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
 under a key of the CPU, torch version, thread count and model files. Auto keeps to float32; bfloat16 is
-asked for (``--dtype bfloat16``). Two things keep greedy SD equal to the target alone within a dtype: a
-single row goes through the many-row kernel (:class:`PackedLinear`), and a short verification block attends
-one query at a time in float32 (:func:`sdpa_in_float32`); without them the two part at near-ties in
-bfloat16 (tested).
+asked for (``--dtype bfloat16``). Two things keep greedy SD equal to the target alone, and batched rows
+equal to rows decoded alone, within a dtype: a lone row goes through the many-row kernel
+(:func:`packed_linear`), and short blocks attend one query at a time in float32 over exactly its keys
+(:func:`sdpa_in_float32`); without them both parted at near-ties in bfloat16 (tested on the testbed).
 """
 
 from __future__ import annotations
@@ -255,10 +255,9 @@ class CpuPath:
 
 
 def candidates(caps: dict[str, Any], dtype: str | None = None) -> list[CpuPath]:
-    """The paths worth timing. Auto (``dtype`` None) keeps to float32, plain or packed: the fastest path that
-    keeps every exactness promise, batched rows included (in bfloat16 a row decoded in a batch can part from
-    the same row alone at a near-tie, measured; see the README). An asked-for dtype gets its own kernels,
-    packed where oneDNN has them for it (bfloat16 natively only with AVX512-BF16 or AMX)."""
+    """The paths worth timing. Auto (``dtype`` None) keeps to float32, plain or packed: bfloat16 gives other
+    tokens (its own rounding), so it waits for its accuracy and classifier checks (README). An asked-for dtype
+    gets its own kernels, packed where oneDNN has them for it (bfloat16 natively only with AVX512-BF16/AMX)."""
     if dtype is None or dtype == "float32":
         return [CpuPath("float32", False), CpuPath("float32", True)]
     if dtype == "bfloat16" and caps["onednn_bf16"]:
