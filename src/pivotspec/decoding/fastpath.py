@@ -7,7 +7,7 @@ bfloat16 576x1536 layer at 8 GB/s against 28 GB/s for a sum over the same bytes)
 the weights in their stored layout on every call and one row of bfloat16 goes through a slow path.
 :class:`PackedLinear` reorders each weight once into oneDNN's blocked layout (what ``torch.compile``'s
 freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
-made the 6-row verification forward no slower than the 1-row one.
+brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
 
 Which kernels win depends on the CPU and on the model's shapes, so :func:`choose` times 1- and 6-token
 forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
@@ -111,10 +111,10 @@ class FusedMember(nn.Module):
         return out
 
 
-FLOAT32_ATTENTION = "pivotspec_sdpa_float32"
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that read one input in HF models
 
 
+FLOAT32_ATTENTION = "pivotspec_sdpa_float32"
 VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time
 
 
@@ -155,9 +155,9 @@ def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         # one sequence verifying a block: one call per query over exactly its keys. (Rollouts of one prefix
         # also come without a mask, one token wide: they go whole, as nothing compares them with batch 1.)
         kwargs = {**kwargs, "is_causal": False}
-        out = torch.cat([sdpa_attention_forward(module, q[:, :, i:i + 1], k[:, :, :total - width + i + 1],
-                                                v[:, :, :total - width + i + 1], None, *args, **kwargs)[0]
-                         for i in range(width)], dim=1)
+        lengths = key_counts(None, 1, width, total)[0]
+        out = torch.cat([sdpa_attention_forward(module, q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], None,
+                                                *args, **kwargs)[0] for i, n in enumerate(lengths)], dim=1)
         return out.to(dtype), None
     counts = key_counts(attention_mask, rows, width, total) if short and attention_mask is not None else None
     if counts is not None:  # the batch's rows, each over its own keys

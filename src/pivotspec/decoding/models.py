@@ -334,10 +334,10 @@ class LM:
 
 
 def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None) -> LM:
-    """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (the default
-    on a CPU: the fastest of float32 and, where the CPU has bfloat16 instructions, bfloat16, measured once
-    per machine and model; see ``fastpath``), ``float32``, ``bfloat16`` or ``float16``; None reads
-    ``$PIVOTSPEC_DTYPE``, else auto on a CPU and bfloat16 on CUDA. Errors are one-line UsageErrors."""
+    """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (on a CPU,
+    float32 with plain or packed linears, whichever measured faster once per machine and model, see
+    ``fastpath``; bfloat16 on CUDA; float32 on MPS), ``float32``, ``bfloat16`` or ``float16``; None reads
+    ``$PIVOTSPEC_DTYPE``, else auto. Errors are one-line UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pivotspec.decoding.fastpath import CACHE_FILE, FLOAT_DTYPES, choose, convert
@@ -346,11 +346,13 @@ def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None,
     if num_threads:
         torch.set_num_threads(num_threads)
     dev = resolve_device(device)
-    dtype = dtype or os.environ.get("PIVOTSPEC_DTYPE") or ("auto" if dev.type == "cpu" else "bfloat16")
+    dtype = dtype or os.environ.get("PIVOTSPEC_DTYPE") or "auto"
     if dtype != "auto" and dtype not in FLOAT_DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
     # On a CPU the model loads in float32 and ``fastpath`` casts and packs it; elsewhere it loads as asked.
-    load_dtype = "float32" if dev.type == "cpu" else ("bfloat16" if dtype == "auto" else dtype)
+    load_dtype = "float32" if dev.type == "cpu" else dtype
+    if load_dtype == "auto":
+        load_dtype = "bfloat16" if dev.type == "cuda" else "float32"
     source, _ = resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
