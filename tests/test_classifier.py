@@ -62,7 +62,8 @@ def test_calibrated_sigma_meets_recall():
 
 
 def fake_labels(path, n_problems=15, seed=0):
-    """Labels whose pivot rule is known: d is a pivot when its token id is even."""
+    """Labels whose pivot rule is known: d is a pivot when its token id is even (and then keeping it drops the
+    utility by 0.8, else by nothing)."""
     rng = random.Random(seed)
     lines = []
     for p in range(n_problems):
@@ -70,8 +71,8 @@ def fake_labels(path, n_problems=15, seed=0):
         for step in range(8):
             d = rng.randrange(2, 32)
             lines.append({"type": "candidate", "problem_id": f"p{p}", "step": step, "prefix_ids": prefix[:],
-                          "prompt_len": 4, "d": d, "t": (d + 1) % 30 + 2, "u_acc": 0.1, "u_rej": 0.9,
-                          "label": int(d % 2 == 0), "n_rollouts": 8})
+                          "prompt_len": 4, "d": d, "t": (d + 1) % 30 + 2, "u_acc": 0.9 - 0.8 * (d % 2 == 0),
+                          "u_rej": 0.9, "label": int(d % 2 == 0), "n_rollouts": 8})
             prefix.append(rng.randrange(2, 32))
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     return path
@@ -136,7 +137,8 @@ def test_pad_with_trained_classifier_and_eval_classifier_cli(trained, tiny_dir, 
     assert rep["n"] == 120 and 0 <= rep["auroc"] <= 1 and len(rep["thresholds"]) == 9
     assert set(rep["references"]) == {"logreg_p", "logreg_entropy_p"}
     # plots land next to the labels file, never inside the classifier directory
-    assert sorted(p.name for p in out.iterdir()) == ["classifier.json", "classifier.safetensors", "pr.png", "roc.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["classifier.json", "classifier.safetensors", "drop.safetensors",
+                                                   "pr.png", "roc.png"]
     assert (labels.parent / "labels.eval-clf" / "roc.png").is_file()
 
 
@@ -245,3 +247,19 @@ def test_training_on_the_union_of_two_rounds(tiny_dir, tmp_path, capsys):
     assert labels["files"] == ["round0.jsonl", "round1.jsonl"] and len(labels["sha256_16"]) == 2
     assert labels["candidates"] == 2 * 15 * 8 and sum(labels["rows"].values()) == 240
     assert sum(labels["problems"].values()) == 15
+
+
+def test_cached_features_are_per_dtype(tiny_dir, tmp_path, monkeypatch):
+    """A bfloat16 target's features are computed in bfloat16, never read back from float32's cache."""
+    from pivotspec.decoding.models import load_lm
+
+    monkeypatch.setenv("PIVOTSPEC_CACHE", str(tmp_path / "cache"))
+    labels = fake_labels(tmp_path / "labels.jsonl", n_problems=2)
+    records = [json.loads(line) for line in labels.read_text().splitlines()]
+    f32 = features.extract(load_lm(str(tiny_dir["llama_target"]), dtype="float32"), records, 2, cache_key="k")
+    bf16 = features.extract(load_lm(str(tiny_dir["llama_target"]), dtype="bfloat16"), records, 2, cache_key="k")
+    assert len(list((tmp_path / "cache" / "features").iterdir())) == 2
+    assert not torch.equal(f32["hidden"], bf16["hidden"])
+    assert f32["hidden"].shape == bf16["hidden"].shape
+    again = features.extract(load_lm(str(tiny_dir["llama_target"]), dtype="float32"), records, 2, cache_key="k")
+    assert torch.equal(again["hidden"], f32["hidden"])
