@@ -32,9 +32,10 @@ def n_scalars(kind: str) -> int:
 
 class PivotNet(nn.Module):
     """extended_v2: Linear(d->64)(h) ++ Linear(2->16)(s) -> Linear(80->128) -> ReLU -> Linear(128->2);
-    extended: the same with 4 scalars (draft entropy and q(d) too); mlp: h -> 128 -> ReLU -> 2; linear: h -> 2."""
+    extended: the same with 4 scalars (draft entropy and q(d) too); mlp: h -> 128 -> ReLU -> 2; linear: h -> 2.
+    ``outputs`` replaces the 2 logits (pivot or not) for other heads on the same inputs (``classifier.drop``)."""
 
-    def __init__(self, kind: str, d_model: int):
+    def __init__(self, kind: str, d_model: int, outputs: int = 2):
         super().__init__()
         if kind not in TYPES:
             raise UsageError(f"unknown classifier type {kind!r}: choose one of {', '.join(TYPES)}")
@@ -46,11 +47,11 @@ class PivotNet(nn.Module):
         self.register_buffer("s_std", torch.ones(max(k, 1)))
         if k:
             self.h_proj, self.s_proj = nn.Linear(d_model, 64), nn.Linear(k, 16)
-            self.head = nn.Sequential(nn.Linear(80, 128), nn.ReLU(), nn.Linear(128, 2))
+            self.head = nn.Sequential(nn.Linear(80, 128), nn.ReLU(), nn.Linear(128, outputs))
         elif kind == "mlp":
-            self.head = nn.Sequential(nn.Linear(d_model, 128), nn.ReLU(), nn.Linear(128, 2))
+            self.head = nn.Sequential(nn.Linear(d_model, 128), nn.ReLU(), nn.Linear(128, outputs))
         else:
-            self.head = nn.Linear(d_model, 2)
+            self.head = nn.Linear(d_model, outputs)
 
     def forward(self, h: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
         h = (h - self.h_mean) / self.h_std
@@ -107,15 +108,19 @@ def pivot_scores(net: PivotNet, h: torch.Tensor, s: torch.Tensor | None) -> torc
 
 def train(kind: str, d_model: int, train_x: tuple, train_y: torch.Tensor, val_x: tuple, val_y: torch.Tensor, *,
           lr: float = 1e-3, epochs: int = 2000, patience: int = 200, weight_decay: float = 1e-2, seed: int = 0,
+          loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, outputs: int = 2,
           progress: Callable[[int, int, float, float], None] | None = None) -> tuple[PivotNet, dict[str, Any]]:
-    """Build and train a ``kind`` classifier: full-batch AdamW with class-balanced cross-entropy, keeping the
-    weights of the epoch with the lowest loss on ``val`` (the selection split). The seed is set before the
-    model is built, so its initial weights are reproducible too."""
+    """Build and train a ``kind`` classifier: full-batch AdamW with class-balanced cross-entropy (or ``loss`` of
+    (outputs, y) for a head of ``outputs`` values), keeping the weights of the epoch with the lowest loss on
+    ``val`` (the selection split). The seed is set before the model is built, so its initial weights are
+    reproducible too."""
     torch.manual_seed(seed)
-    net = PivotNet(kind, d_model)
+    net = PivotNet(kind, d_model, outputs)
     net.fit_normalisation(*train_x)
-    counts = torch.bincount(train_y, minlength=2).float().clamp_min(1)
-    loss_fn = nn.CrossEntropyLoss(weight=counts.sum() / (2 * counts))
+    if loss is None:
+        counts = torch.bincount(train_y, minlength=2).float().clamp_min(1)
+        loss = nn.CrossEntropyLoss(weight=counts.sum() / (2 * counts))
+    loss_fn = loss
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     best, best_state, best_epoch = float("inf"), None, 0
     for epoch in range(epochs):

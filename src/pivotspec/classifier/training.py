@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pivotspec.classifier import features, metrics
+from pivotspec.classifier import drop, features, metrics
 from pivotspec.classifier import model as clf
 from pivotspec.decoding.models import LM
 from pivotspec.errors import UsageError
@@ -82,6 +82,19 @@ def fit_with_sweep(kind: str, feats: dict[str, torch.Tensor], split: torch.Tenso
         if best is None or score > (best[1]["selection_auroc"], -best[1]["best_val_loss"]):
             best = (net, run)
     return best[0], {"chosen": best[1], "runs": runs}
+
+
+def fit_drop(kind: str, feats: dict[str, torch.Tensor], split: torch.Tensor, chosen: dict[str, Any], *,
+             epochs: int, seed: int) -> tuple[clf.PivotNet, dict[str, Any]]:
+    """The expected-drop head (``classifier.drop``) on the classifier's rows and splits, at the learning rate
+    and weight decay the pivot sweep chose; its report-split metrics."""
+    target = drop.drop_targets(feats)
+    tr, sel, rep = split == 0, split == 1, split == 2
+    net, info = drop.train_drop(kind, inputs(kind, feats, tr), target[tr], inputs(kind, feats, sel), target[sel],
+                                lr=chosen["lr"], weight_decay=chosen["weight_decay"], epochs=epochs, seed=seed)
+    pred = drop.predicted_drops(net, *inputs(kind, feats, rep))
+    return net, {"target": "max(0, u_rej - u_acc)", "lr": chosen["lr"], "weight_decay": chosen["weight_decay"],
+                 **info, "report": drop.report(pred, target[rep], feats["labels"][rep], float(target[tr].mean()))}
 
 
 def reference_models(feats: dict[str, torch.Tensor], split: torch.Tensor) -> dict[str, dict[str, Any]]:
@@ -147,6 +160,7 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
     sel_scores = clf.pivot_scores(net, *inputs(kind, feats, sel))
     rep_scores = clf.pivot_scores(net, *inputs(kind, feats, rep))
     sigma = clf.calibrate_sigma(sel_scores, y[sel], target_recall)
+    drop_net, drop_config = fit_drop(kind, feats, split, sweep["chosen"], epochs=epochs, seed=seed)
     config = {
         "type": kind, "layer": resolved, "layer_arg": layer, "feature_row": clf.FEATURE_ROW, "d_model": target.d_model,
         "features": ["hidden@draft_token"] + (["target_entropy", "target_prob_d"] if clf.n_scalars(kind) else [])
@@ -170,8 +184,10 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
                                                                      reference_reports(refs, feats, rep).values(),
                                                                      strict=True)},
         "type_comparison": comparison,
+        "drop": drop_config,
     }
     clf.save(out, net, config)
+    drop.save(out, drop_net)
     metrics.plot_curves(rep_scores, y[rep], out, title="report split")
     return config
 
