@@ -79,6 +79,12 @@ def error_cases(tiny_dir, other, tmp_path):
         "unknown flag": ([*base, "--gamm", "3"], "unrecognized arguments"),
         "sigma out of range": ([*base, "--draft", d, "--method", "pad", "--classifier", "const:0.1", "--sigma", "2"],
                                "sigma must be in [0, 1]"),
+        "negative budget": ([*base, "--draft", d, "--method", "pad", "--classifier", "const:0.1", "--budget", "-1"],
+                            "budget must be >= 0"),
+        "budget and sigma": ([*base, "--draft", d, "--method", "pad", "--classifier", "const:0.1", "--budget", "1",
+                              "--sigma", "0.2"], "not both"),
+        "budgets not numbers": (["eval", "--target", t, "--draft", d, "--methods", "pad", "--classifier", "const:0.1",
+                                 "--budgets", "x"], "--budgets must be comma-separated numbers"),
         # found by the hardening probe (issue 15)
         "empty stop string": ([*base, "--stop", ""], "--stop needs a non-empty string"),
         "temperature nan": ([*base, "--temperature", "nan"], "must be finite"),

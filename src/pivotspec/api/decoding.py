@@ -36,17 +36,20 @@ def decode_method(method: str) -> str:
 
 
 def make_policy(pair: Pair | None, method: str, *, classifier: str | None = None, sigma: float | None = None,
-                p_floor: float = DEFAULT_P_FLOOR, pair_name: str | None = None) -> Any:
+                p_floor: float = DEFAULT_P_FLOOR, pair_name: str | None = None, budget: float | None = None) -> Any:
     """The acceptance policy ``method`` names (ar, draft, sd, pad or a baseline spec such as ``topk:k=3``).
     With ``pair=None`` only the arguments are checked (a pad classifier's files included; ``pair_name``
-    finds a registered pair's shipped classifier) and None is returned for pad."""
+    finds a registered pair's shipped classifier) and None is returned for pad. ``budget``: PAD per answer
+    (``policies.make_policy``)."""
     target, name = (pair.target, pair.name) if pair is not None else (None, pair_name)
-    return policies.make_policy(method, target, classifier=classifier, sigma=sigma, p_floor=p_floor, pair=name)
+    return policies.make_policy(method, target, classifier=classifier, sigma=sigma, p_floor=p_floor, pair=name,
+                                budget=budget)
 
 
 def make_request(pair: Pair, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  prompt_ids: list[int] | None = None, method: str | None = None, classifier: str | None = None,
-                 sigma: float | None = None, p_floor: float = DEFAULT_P_FLOOR, policy: Any = None, gamma: int = 5,
+                 sigma: float | None = None, budget: float | None = None, p_floor: float = DEFAULT_P_FLOOR,
+                 policy: Any = None, gamma: int = 5,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, stop: list[str] | None = None, chat: bool = True,
                  chat_template_kwargs: dict[str, Any] | None = None, on_step: Any = None) -> Request:
@@ -59,7 +62,7 @@ def make_request(pair: Pair, prompt: str | None = None, *, messages: list[dict[s
     if method != "ar" and pair.draft is None:
         raise UsageError(f"method {method!r} needs a draft model: load the pair with a draft")
     if policy is None:
-        policy = make_policy(pair, method, classifier=classifier, sigma=sigma, p_floor=p_floor)
+        policy = make_policy(pair, method, classifier=classifier, sigma=sigma, p_floor=p_floor, budget=budget)
     ids = prompt_ids or encode(pair.target, prompt, messages, chat, chat_template_kwargs)
     return Request(ids, policy=policy if decode_method(method) == "pad" else None,
                    cfg=SamplingConfig(temperature, top_k, top_p), gamma=gamma, max_new_tokens=max_new_tokens,
@@ -76,10 +79,10 @@ def check_request(pair: Pair, request: Request) -> None:
 def generate(pair: Pair, prompt: str | None = None, **settings: Any) -> Generation:
     """Decode one prompt (text, chat ``messages``, or token ``prompt_ids``). ``method``: ar, draft, sd, pad or a
     baseline spec (default: sd with a draft, else ar); ``policy`` (from ``make_policy``, or any acceptance
-    policy) saves building it per call; ``classifier``, ``sigma`` and ``p_floor`` build PAD's. Also ``gamma``,
-    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``chat`` and
-    ``chat_template_kwargs`` (see ``make_request``). Returns text, token ids, stats (tau = tokens per target
-    forward, eta, forwards, timings) and the per-token trace (token id, source). ``on_step(pairs)`` sees each
+    policy) saves building it per call; ``classifier``, ``sigma`` (or ``budget``) and ``p_floor`` build
+    PAD's. Also ``gamma``, ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``,
+    ``chat`` and ``chat_template_kwargs`` (see ``make_request``). Returns text, token ids, stats (tau = tokens
+    per target forward, eta, forwards, timings) and the per-token trace (token id, source). ``on_step(pairs)`` sees each
     step's new (token id, source) pairs as they come; returning False stops the decode."""
     r = make_request(pair, prompt, **settings)
     return decode(decode_method(r.method), pair.target, pair.draft, r.prompt_ids, r.policy, cfg=r.cfg,

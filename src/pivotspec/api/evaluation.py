@@ -18,11 +18,13 @@ from pivotspec.tasks import Task
 
 def method_specs(pair: Pair | None, methods: str = "ar,sd", *, sigmas: list[float] | None = None,
                  baselines: list[str] = (), classifier: str | None = None, sigma: float | None = None,
-                 p_floor: float = DEFAULT_P_FLOOR, pair_name: str | None = None) -> list[MethodSpec]:
-    """The labelled methods an evaluation runs (one pad per sigma, one per baseline spec); with
-    ``pair=None`` only their arguments are checked (pad policies are None)."""
+                 p_floor: float = DEFAULT_P_FLOOR, pair_name: str | None = None, budget: float | None = None,
+                 budgets: list[float] | None = None) -> list[MethodSpec]:
+    """The labelled methods an evaluation runs (one pad per sigma, one pad-budget per budget, one per baseline
+    spec); with ``pair=None`` only their arguments are checked (pad policies are None)."""
     return runs.method_specs(methods, pair.target if pair else None, sigmas=sigmas, baselines=list(baselines),
-                 classifier=classifier, sigma=sigma, p_floor=p_floor, pair=pair.name if pair else pair_name)
+                             classifier=classifier, sigma=sigma, p_floor=p_floor, pair=pair.name if pair else pair_name,
+                             budgets=budgets if budgets is not None else ([budget] if budget is not None else None))
 
 
 def check_evaluate(settings: EvalSettings) -> Task:

@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--n", type=int, default=20, help="number of problems")
     ev.add_argument("--methods", default="ar,sd", help="comma list of ar, draft, sd, pad")
     ev.add_argument("--sigmas", help="PAD: one run per sigma, e.g. 0.3,0.5,0.7 (default: the calibrated sigma)")
+    ev.add_argument("--budgets", help="PAD per answer: one run per budget, e.g. 0.1,0.3 (see --budget)")
     ev.add_argument("--baselines", help="relaxed rules at default knobs: typical,topk,threshold,ensemble,divergence")
     ev.add_argument("--baseline", action="append", default=[],
                     help="one relaxed rule with knobs, e.g. topk:k=3,ratio=0.2 (repeatable; default: none)")
@@ -155,7 +156,8 @@ def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     settings = _eval_settings(args)
     sigmas = parse_floats(args.sigmas, "--sigmas") if args.sigmas else None
     baselines = [b for b in (args.baselines or "").split(",") if b] + list(args.baseline)
-    kwargs = {"sigmas": sigmas, "baselines": baselines, **policy_args(args)}
+    budgets = parse_floats(args.budgets, "--budgets") if args.budgets else None
+    kwargs = {"sigmas": sigmas, "budgets": budgets, "baselines": baselines, **policy_args(args)}
     specs = api.method_specs(None, args.methods, pair_name=args.pair, **kwargs)
     api.check_evaluate(settings)  # settings, task, data and --out before the (slow) model loading
     pair = load_pair(args, needs_draft=any(s.method != "ar" for s in specs))

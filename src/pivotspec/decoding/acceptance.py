@@ -9,8 +9,9 @@ policy built on this interface reduces to exact SD when its override is empty.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -124,6 +125,58 @@ class PAD:
         if self.sigma <= 0:
             return torch.zeros_like(v.sd_ok)
         return (self.scores(v) <= self.sigma) & (v.draft_prob(v.p) >= self.p_floor)
+
+
+@dataclass
+class Budget:
+    """PAD with a per-answer budget for harm (issue 30): keep a token SD rejected while the answer's summed
+    predicted utility drop (``drop``: ``classifier.drop``'s head) stays <= ``budget``, and the target gives it
+    probability >= p_floor. A per-token rule prices each override alone; a budget prices what the overrides of
+    one answer cost together, so many small harms cannot add up unseen.
+
+    Overrides are spent in draft order and the first one the budget cannot pay ends the step's overrides (a
+    draft after a rejected one is never emitted, so it must not be paid for). ``spent`` is per answer: the
+    decoding loops take a fresh copy per decode (``for_answer``), so rows sharing one policy never share a
+    budget. budget = 0 turns the override off: exactly SD.
+    """
+
+    drop: Classifier
+    budget: float
+    p_floor: float = DEFAULT_P_FLOOR
+    hidden_layer: int | None = None
+    name: str = "pad-budget"
+    spent: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise UsageError(f"the PAD budget must be >= 0, got {self.budget}")
+        if not 0 <= self.p_floor <= 1:
+            raise UsageError(f"p_floor must be in [0, 1], got {self.p_floor}")
+
+    def for_answer(self) -> Budget:
+        return replace(self, spent=0.0)
+
+    def override(self, v: Verification) -> torch.Tensor:
+        keep = torch.zeros_like(v.sd_ok)
+        if self.budget <= 0:
+            return keep
+        price = self.drop(v).reshape(-1).tolist()
+        floor_ok = (v.draft_prob(v.p) >= self.p_floor).tolist()
+        for i, sd_ok in enumerate(v.sd_ok.tolist()):
+            if sd_ok:
+                continue
+            if not floor_ok[i] or self.spent + price[i] > self.budget + 1e-6:  # float32 prices summing to it pay
+                break
+            self.spent += price[i]
+            keep[i] = True
+        return keep
+
+
+def for_answer(policy: Any) -> Any:
+    """The policy one decode uses: a copy with fresh per-answer state for a policy that keeps some (a budget),
+    else the policy itself."""
+    fresh = getattr(policy, "for_answer", None)
+    return fresh() if fresh is not None else policy
 
 
 def constant_classifier(score: float) -> Classifier:

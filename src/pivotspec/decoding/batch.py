@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pivotspec.decoding.acceptance import Lossless
+from pivotspec.decoding.acceptance import Lossless, for_answer
 from pivotspec.decoding.drafting import Proposal, fit_vocab
 from pivotspec.decoding.loop import (
     Generation,
@@ -33,6 +33,7 @@ from pivotspec.decoding.loop import (
     finish_stats,
     new_stats,
     next_token,
+    record_policy_state,
     step_tokens,
     verify,
 )
@@ -64,7 +65,7 @@ class Row:
 
     def __init__(self, request: Request, target: LM):
         self.request = request
-        self.policy = request.policy or Lossless()
+        self.policy = for_answer(request.policy or Lossless())  # per-answer state is the row's own
         self.generator = torch.Generator(device=target.device).manual_seed(request.seed)
         self.stopper = Stopper(target.tokenizer, request.eos_ids, list(request.stop_strings),
                                 request.max_new_tokens)
@@ -84,6 +85,7 @@ class Row:
     def generation(self, tokenizer: Any) -> Generation:
         self.stats["stop_reason"] = self.stop or "max_tokens"
         self.stats["prompt_tokens"] = len(self.request.prompt_ids)
+        record_policy_state(self.stats, self.policy)
         stats = finish_stats(self.stats, len(self.new), time.perf_counter() - self.started)
         if self.request.method == "draft":  # the batch's "target" was the draft model
             as_draft_only(stats)

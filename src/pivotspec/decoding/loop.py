@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pivotspec.decoding.acceptance import Lossless, Verification
+from pivotspec.decoding.acceptance import Lossless, Verification, for_answer
 from pivotspec.decoding.drafting import Proposal, fit_vocab, propose
 from pivotspec.decoding.models import LM
 from pivotspec.decoding.sampling import SamplingConfig, argmax, logits_to_probs, residual, sample
@@ -53,6 +53,13 @@ def finish_stats(stats: dict[str, Any], new_tokens: int, wall_s: float) -> dict[
     # Time outside any model forward and outside the prefill: the loop's own cost.
     stats["overhead_s"] = wall_s - stats["prefill_s"] - stats["forward_s"]
     return stats
+
+
+def record_policy_state(stats: dict[str, Any], policy: Any) -> None:
+    """What a per-answer policy spent (a budget's summed predicted drop), in the answer's stats."""
+    spent = getattr(policy, "spent", None)
+    if spent is not None:
+        stats["budget_spent"] = spent
 
 
 class Stopper:
@@ -147,7 +154,7 @@ def generate(
     Each step: propose (the draft), one target forward, verify (lossless rule + policy), the next token
     (correction or bonus), emit (stop checks per token)."""
     check_fits(prompt_ids, max_new_tokens, target, draft)
-    policy = policy or Lossless()
+    policy = for_answer(policy or Lossless())
     cfg = cfg or SamplingConfig()
     generator = torch.Generator(device=target.device).manual_seed(seed)  # draws happen where the logits are
     stopper = Stopper(target.tokenizer, eos_ids or set(), list(stop_strings or []), max_new_tokens)
@@ -202,6 +209,7 @@ def generate(
     stats["prefill_forward_s"] = forward_before_loop - forward_before
     stats["stop_reason"] = stop or "max_tokens"
     stats["prompt_tokens"] = len(prompt_ids)
+    record_policy_state(stats, policy)
     text = target.tokenizer.decode(new, skip_special_tokens=True)
     return Generation(new, text, finish_stats(stats, len(new), wall), trace)
 

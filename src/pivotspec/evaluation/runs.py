@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pivotspec.classifier import drop
 from pivotspec.classifier.model import CONFIG, WEIGHTS
-from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR, PAD
+from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR, PAD, Budget
 from pivotspec.decoding.baselines import label as baseline_label
 from pivotspec.decoding.batch import Request, decode_many
 from pivotspec.decoding.loop import decode
@@ -118,15 +119,23 @@ def decode_batched(spec: MethodSpec, prompts: list[list[int]], target: LM | None
 
 def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] | None = None,
                  baselines: list[str] = (), classifier: str | None = None, sigma: float | None = None,
-                 p_floor: float = DEFAULT_P_FLOOR, pair: str | None = None) -> list[MethodSpec]:
-    """ar/draft/sd as named; one pad per sigma (default: the classifier's calibrated one); one policy per
-    baseline spec. With ``target=None`` only the arguments are checked (pad policies are None)."""
+                 p_floor: float = DEFAULT_P_FLOOR, pair: str | None = None,
+                 budgets: list[float] | None = None) -> list[MethodSpec]:
+    """ar/draft/sd as named; one pad per sigma (default: the classifier's calibrated one), or with ``budgets`` one
+    pad-budget per budget (PAD per answer); one policy per baseline spec. With ``target=None`` only the
+    arguments are checked (pad policies are None)."""
     # A non-default floor is part of the label, and so of the run's identity: resuming a run at another floor
     # must not reuse its rows, and two floors must not share a row of the summary. The label keeps the
     # paper's name for it, "tau=", so that runs recorded before the floor got its own name still resume.
     floor_tag = f" tau={p_floor:g}" if p_floor != DEFAULT_P_FLOOR else ""
     specs = []
     for m in [m.strip() for m in methods.split(",") if m.strip()]:
+        if m == "pad" and budgets:
+            for b in budgets:
+                policy = make_policy(m, target, classifier=classifier, p_floor=p_floor, pair=pair, budget=b)
+                specs.append(MethodSpec(f"pad-budget@{b:g}{floor_tag}", m, policy))
+            if not sigmas:
+                continue
         for sig in (sigmas or [sigma]) if m == "pad" else [None]:
             policy = make_policy(m, target, classifier=classifier, sigma=sig, p_floor=p_floor, pair=pair)
             label = f"pad@{policy.sigma:g}{floor_tag}" if m == "pad" and policy is not None else m
@@ -167,17 +176,18 @@ def open_run(out: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
 def classifier_fingerprint(clf: str | None, specs: list[MethodSpec]) -> str | None:
     """What the PAD runs were scored with, so resuming a run after the classifier was retrained is refused
     instead of mixing rows from two classifiers."""
-    if not clf or not any(isinstance(s.policy, PAD) for s in specs):
+    if not clf or not any(isinstance(s.policy, (PAD, Budget)) for s in specs):
         return None
-    return classifier_files_fingerprint(clf)
+    return classifier_files_fingerprint(clf, with_drop=any(isinstance(s.policy, Budget) for s in specs))
 
 
-def classifier_files_fingerprint(clf: str) -> str:
-    """``DIR#hash`` of a classifier's own files (plots or subdirectories may sit beside them); ``const:S`` as is."""
+def classifier_files_fingerprint(clf: str, with_drop: bool = False) -> str:
+    """``DIR#hash`` of a classifier's own files (plots or subdirectories may sit beside them); ``const:S`` as is.
+    ``with_drop``: the drop head too, which only a budget reads (so runs without one keep their identity)."""
     if clf.startswith("const:"):
         return clf
     digest = hashlib.sha256()
-    for name in (CONFIG, WEIGHTS):
+    for name in (CONFIG, WEIGHTS) + ((drop.WEIGHTS,) if with_drop else ()):
         digest.update(name.encode() + (Path(clf) / name).read_bytes())
     return f"{clf}#{digest.hexdigest()[:12]}"
 
