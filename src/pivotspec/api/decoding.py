@@ -71,7 +71,7 @@ def make_request(pair: Pair, prompt: str | None = None, *, messages: list[dict[s
 
 
 def check_request(pair: Pair, request: Request) -> None:
-    """A UsageError if the row cannot decode on this pair (an empty prompt; prompt + budget past a model's
+    """A UsageError if the row cannot decode on this pair (an empty prompt; prompt + max_new_tokens past a model's
     positions), before it joins a batch."""
     check_fits(request.prompt_ids, request.max_new_tokens, pair.target, pair.draft)
 

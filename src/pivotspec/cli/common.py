@@ -91,7 +91,7 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
     g = p.add_argument_group("decoding")
     g.add_argument("--gamma", type=int, default=5, help="draft tokens per step")
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="token budget per completion")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="most new tokens per completion")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")

@@ -1,5 +1,5 @@
 """Decoding many sequences at once: the speculative loop of ``loop.py`` over a batch of rows, each with its
-own prompt, acceptance policy, sampling settings, generator, gamma, stop strings and budget.
+own prompt, acceptance policy, sampling settings, generator, gamma, stop strings and max_new_tokens.
 
 One step for all rows: the draft proposes for every row that drafts (one batched draft forward per draft
 position; rows that drafted fewer tokens or none ride along as padding), one batched target forward
@@ -77,7 +77,7 @@ class Row:
         self.started = time.perf_counter()
 
     def gamma(self, has_draft: bool) -> int:
-        """Draft tokens to propose this step: none past the budget (as batch 1)."""
+        """Draft tokens to propose this step: none past max_new_tokens (as batch 1)."""
         if not (has_draft and self.request.speculate):
             return 0
         return max(0, min(self.request.gamma, self.request.max_new_tokens - len(self.new) - 1))

@@ -63,7 +63,7 @@ def record_policy_state(stats: dict[str, Any], policy: Any) -> None:
 
 
 class Stopper:
-    """Decides whether the text so far is finished: EOS, a stop string, or the token budget."""
+    """Decides whether the text so far is finished: EOS, a stop string, or max_new_tokens."""
 
     def __init__(self, tokenizer: Any, eos: set[int], stop_strings: list[str], max_new_tokens: int):
         self.tokenizer, self.eos, self.stop_strings, self.max_new = tokenizer, eos, stop_strings, max_new_tokens
@@ -170,7 +170,7 @@ def generate(
     stop = None
     while stop is None and len(new) < max_new_tokens:
         t0 = time.perf_counter()
-        g = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0  # no drafting past the budget
+        g = min(gamma, max_new_tokens - len(new) - 1) if draft is not None else 0  # no drafting past max_new_tokens
         proposal = propose(draft, seq, g, cfg, generator, target.vocab_size, stopper.eos) if g > 0 else None
         drafts = proposal.tokens if proposal else []
         t1 = time.perf_counter()
