@@ -6,7 +6,8 @@ Protocol: whole problems go to three splits, train / selection / report (60/20/2
 the run with the best selection AUROC wins; sigma is calibrated on selection; every number reported as
 held-out comes from the report split, which chose nothing. Reference classifiers (logistic regressions on
 p(d) alone and on [entropy, p(d)]) are fitted on the same train split and reported beside the model, so a
-classifier that has only learned a probability threshold shows as one.
+classifier that has only learned a probability threshold shows as one. The expected-drop head
+(``classifier.drop``) is trained on the same rows and splits at the sweep's chosen settings.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ def add_parsers(sub: Any) -> None:
     tr = sub.add_parser("train-classifier", help="train a pivot classifier on a labels file",
                         description="Train a pivot classifier: train/selection/report splits by problem, a small "
                         "lr x weight-decay sweep chosen on selection, sigma calibrated on selection, held-out "
-                        "metrics and logistic-regression references on report.")
+                        "metrics and logistic-regression references on report; beside it, on the same rows, the "
+                        "expected-drop head that prices overrides for PAD's --budget.")
     add_model_args(tr)
     tr.add_argument("--labels", type=Path, nargs="+", required=True, help="labels file(s); several are trained on "
                     "as one set (rounds of on-policy labels; a problem stays in one split across them)")

@@ -1,0 +1,143 @@
+"""PAD per token (sigma) against PAD per answer (budget), off- and on-policy, knobs chosen on problems no
+classifier saw and measured on the test problems (issue 30).
+
+    python benchmarks/budget_frontier.py --pair testbed-hard --classifier r0=runs/r0 \
+        --classifier r1-union=runs/r1-union --sigmas 0.03,0.0548,0.1,0.2 --budgets 0.05,0.1,0.2,0.4,0.8
+
+1. Selection: every classifier's sigmas and budgets on ``--select-n`` validation problems drawn with
+   ``--select-seed`` (1: problems the labels, drawn with seed 0, never contain), beside `ar` and `sd`. Per
+   classifier and per knob, the chosen point is the highest eta within ``--within`` of `ar`'s accuracy on
+   those problems (none there: the most accurate one).
+2. Test: `ar`, `sd`, the rules (``--rule``, at the knob values of the README's testbed-hard table) and every
+   chosen point on the ``--n`` test problems (seed 0, the README's), all greedy at gamma 5 and decoded in
+   batches of ``--batch-size`` (same tokens as batch 1; eta and tau, not wall-clock speedups: batched rows
+   overlap in time). Accuracy differences get McNemar's exact test, paired by problem, against `ar`.
+
+Each classifier's runs go to RESULTS/budget_frontier/<stage>-<name>/ (resumable, like `pivotspec eval
+--out`); the table is printed and written to RESULTS/budget_frontier.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from pivotspec import api
+from pivotspec.evaluation.summary import summarize
+from pivotspec.store import read_records
+
+RULES = ["ensemble:w=0.5", "topk:k=5,ratio=0.5", "threshold:threshold=0.3", "threshold:threshold=0.1"]
+
+
+def run(pair: api.Pair, task: str, split: str, n: int, seed: int, batch: int, out: Path, methods: str,
+        classifier: str | None, sigmas=None, budgets=None, rules=()) -> list[dict]:
+    """One resumable eval run; its rows."""
+    specs = api.method_specs(pair, methods, sigmas=sigmas, budgets=budgets, baselines=list(rules),
+                             classifier=classifier)
+    settings = api.EvalSettings(task=task, split=split, n=n, seed=seed, classifier=classifier, out=out,
+                                batch_size=batch)
+    api.evaluate(pair, settings, specs=specs)
+    return read_records(out / "results.jsonl")
+
+
+def tagged(rows: list[dict], name: str) -> list[dict]:
+    """The PAD rows of one classifier's run, named after it (two classifiers' pad@0.1 are other methods)."""
+    return [{**r, "method": f"{name}:{r['method']}"} for r in rows if r["method"].startswith("pad")]
+
+
+def choose(summary: dict, labels: list[str], within: float) -> str:
+    """The highest-eta label within ``within`` of ar's accuracy, else the most accurate."""
+    ar = summary["ar"]["accuracy"]
+    close = [m for m in labels if summary[m]["accuracy"] >= ar - within - 1e-9]
+    if close:
+        return max(close, key=lambda m: (summary[m]["eta"], summary[m]["accuracy"]))
+    return max(labels, key=lambda m: (summary[m]["accuracy"], summary[m]["eta"]))
+
+
+def table(summary: dict, chosen: set[str]) -> str:
+    lines = ["| method | accuracy | 95% CI | vs ar (McNemar) | eta | tau | overrides/answer | predicted drop spent |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m, s in summary.items():
+        p = s["paired"].get("ar")
+        vs = f"{p['diff']:+.3f} (p {p['p_mcnemar']:.2g})" if p else "-"
+        eta = f"{s['eta']:.3f}" if s["eta"] is not None else "-"
+        mark = " (chosen)" if m in chosen else ""
+        lines.append(f"| {m}{mark} | {s['accuracy']:.3f} | [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}] | {vs} | {eta} "
+                     f"| {s['tau']:.2f} | {s['overrides']:.1f} | {s['spent']} |")
+    return "\n".join(lines)
+
+
+def with_overrides(summary: dict, rows: list[dict]) -> dict:
+    for m, s in summary.items():
+        mine = [r for r in rows if r["method"] == m]
+        s["overrides"] = sum(r["stats"]["override"] for r in mine) / len(mine)
+        spent = [r["stats"]["budget_spent"] for r in mine if "budget_spent" in r["stats"]]
+        s["spent"] = f"{sum(spent) / len(spent):.3f}" if spent else "-"
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="testbed-hard")
+    ap.add_argument("--classifier", action="append", required=True, help="NAME=DIR (repeatable)")
+    ap.add_argument("--sigmas", default="0.03,0.0548,0.1,0.2")
+    ap.add_argument("--budgets", default="0.05,0.1,0.2,0.4,0.8")
+    ap.add_argument("--rule", action="append", default=None, help=f"baseline spec (default: {', '.join(RULES)})")
+    ap.add_argument("--select-n", type=int, default=100)
+    ap.add_argument("--select-seed", type=int, default=1)
+    ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--within", type=float, default=0.01)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--select-only", action="store_true", help="stop after the selection stage")
+    ap.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args()
+    classifiers = dict(c.split("=", 1) for c in args.classifier)
+    sigmas = [float(x) for x in args.sigmas.split(",") if x]
+    budgets = [float(x) for x in args.budgets.split(",") if x]
+    task = api.pair_task(args.pair)
+    pair = api.load_pair(pair=args.pair, threads=args.threads)
+    root = args.results / "budget_frontier"
+
+    # 1. selection
+    sel_rows = [r for r in run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
+                               root / "select-base", "ar,sd", None) if r["method"] in ("ar", "sd")]
+    picks: dict[str, dict[str, str]] = {}
+    for name, path in classifiers.items():
+        rows = tagged(run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
+                          root / f"select-{name}", "pad", path, sigmas=sigmas, budgets=budgets), name)
+        sel_rows += rows
+        summary = summarize(sel_rows)
+        labels = sorted({r["method"] for r in rows})
+        picks[name] = {kind: choose(summary, [m for m in labels if (m.split(":")[1].startswith("pad-budget"))
+                                              == (kind == "budget")], args.within) for kind in ("sigma", "budget")}
+    sel_summary = with_overrides(summarize(sel_rows), sel_rows)
+    chosen = {m for p in picks.values() for m in p.values()}
+    print(f"selection: {args.select_n} validation problems (seed {args.select_seed})")
+    print(table(sel_summary, chosen))
+    result = {"pair": args.pair, "classifiers": classifiers, "sigmas": sigmas, "budgets": budgets,
+              "select": {"n": args.select_n, "seed": args.select_seed, "summary": sel_summary, "picks": picks},
+              "cpu": os.cpu_count(), "batch_size": args.batch_size}
+    out = args.results / "budget_frontier.json"
+    out.write_text(json.dumps(result, indent=1))
+    if args.select_only:
+        return
+
+    # 2. test: ar, sd and the rules once; each classifier's chosen points
+    rules = args.rule or RULES
+    test_rows = run(pair, task, "test", args.n, 0, args.batch_size, root / "test-base", "ar,sd", None, rules=rules)
+    for name, path in classifiers.items():
+        knobs = {kind: float(m.split("@")[1].split()[0]) for kind, m in picks[name].items()}
+        test_rows += tagged(run(pair, task, "test", args.n, 0, args.batch_size, root / f"test-{name}", "pad", path,
+                                sigmas=[knobs["sigma"]], budgets=[knobs["budget"]]), name)
+    test_summary = with_overrides(summarize(test_rows), test_rows)
+    print(f"\ntest: {args.n} test problems (seed 0), greedy, gamma 5, batch {args.batch_size}")
+    print(table(test_summary, chosen))
+    result["test"] = {"n": args.n, "rules": rules, "summary": test_summary}
+    out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
