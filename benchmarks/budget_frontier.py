@@ -2,12 +2,13 @@
 classifier saw and measured on the test problems (issue 30).
 
     python benchmarks/budget_frontier.py --pair testbed-hard --classifier r0=runs/r0 \
-        --classifier r1-union=runs/r1-union --sigmas 0.03,0.0548,0.1,0.2 --budgets 0.05,0.1,0.2,0.4,0.8
+        --classifier r1-union=runs/r1-union --sigmas 0.05,0.1,0.2,0.3 --budgets 0.1,0.2,0.4,0.8,1.6 \
+        --both 0.2:0.2,0.2:0.4,0.2:0.8,0.3:0.2,0.3:0.4,0.3:0.8
 
-1. Selection: every classifier's sigmas and budgets on ``--select-n`` validation problems drawn with
-   ``--select-seed`` (1: problems the labels, drawn with seed 0, never contain), beside `ar` and `sd`. Per
-   classifier and per knob, the chosen point is the highest eta within ``--within`` of `ar`'s accuracy on
-   those problems (none there: the most accurate one).
+1. Selection: every classifier's sigmas, budgets and (sigma, budget) pairs on ``--select-n`` validation
+   problems drawn with ``--select-seed`` (1: problems the labels, drawn with seed 0, never contain), beside
+   `ar` and `sd`. Per classifier and per kind (sigma, budget, both), the chosen point is the highest eta within
+   ``--within`` of `ar`'s accuracy on those problems (none there: the most accurate one).
 2. Test: `ar`, `sd`, the rules (``--rule``, at the knob values of the README's testbed-hard table) and every
    chosen point on the ``--n`` test problems (seed 0, the README's), all greedy at gamma 5 and decoded in
    batches of ``--batch-size`` (same tokens as batch 1; eta and tau, not wall-clock speedups: batched rows
@@ -31,15 +32,36 @@ from pivotspec.store import read_records
 RULES = ["ensemble:w=0.5", "topk:k=5,ratio=0.5", "threshold:threshold=0.3", "threshold:threshold=0.1"]
 
 
-def run(pair: api.Pair, task: str, split: str, n: int, seed: int, batch: int, out: Path, methods: str,
-        classifier: str | None, sigmas=None, budgets=None, rules=()) -> list[dict]:
-    """One resumable eval run; its rows."""
-    specs = api.method_specs(pair, methods, sigmas=sigmas, budgets=budgets, baselines=list(rules),
-                             classifier=classifier)
+def run(pair: api.Pair, task: str, split: str, n: int, seed: int, batch: int, out: Path,
+        specs: list[api.MethodSpec], classifier: str | None) -> list[dict]:
+    """One resumable eval run of ``specs``; its rows."""
     settings = api.EvalSettings(task=task, split=split, n=n, seed=seed, classifier=classifier, out=out,
                                 batch_size=batch)
     api.evaluate(pair, settings, specs=specs)
     return read_records(out / "results.jsonl")
+
+
+def pad_specs(pair: api.Pair, path: str, sigmas=(), budgets=(), combos=()) -> list[api.MethodSpec]:
+    """PAD per budget, per sigma, and per (sigma, budget) pair (the per-token rule inside the budget)."""
+    specs = api.method_specs(pair, "pad", budgets=list(budgets), classifier=path) if budgets else []
+    specs += api.method_specs(pair, "pad", sigmas=list(sigmas), classifier=path) if sigmas else []
+    for sig, b in combos:
+        specs += api.method_specs(pair, "pad", sigmas=[sig], budgets=[b], classifier=path)
+    return specs
+
+
+def kind(label: str) -> str:
+    """sigma, budget or both, from a PAD label such as r0:pad@0.1, r0:pad-budget@0.2, r0:pad@0.2 budget=0.4."""
+    pad = label.split(":", 1)[1]
+    return "both" if " budget=" in pad else "budget" if pad.startswith("pad-budget") else "sigma"
+
+
+def knobs(label: str) -> dict:
+    pad = label.split(":", 1)[1]
+    if kind(label) == "budget":
+        return {"budgets": [float(pad.split("@")[1])]}
+    sig = float(pad.split("@")[1].split()[0])
+    return {"combos": [(sig, float(pad.split("budget=")[1]))]} if kind(label) == "both" else {"sigmas": [sig]}
 
 
 def tagged(rows: list[dict], name: str) -> list[dict]:
@@ -82,8 +104,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="testbed-hard")
     ap.add_argument("--classifier", action="append", required=True, help="NAME=DIR (repeatable)")
-    ap.add_argument("--sigmas", default="0.03,0.0548,0.1,0.2")
-    ap.add_argument("--budgets", default="0.05,0.1,0.2,0.4,0.8")
+    ap.add_argument("--sigmas", default="0.05,0.1,0.2,0.3")
+    ap.add_argument("--budgets", default="0.1,0.2,0.4,0.8,1.6")
+    ap.add_argument("--both", default="", help="(sigma:budget) pairs, e.g. 0.2:0.4,0.3:0.4: the per-token rule "
+                    "inside the budget")
     ap.add_argument("--rule", action="append", default=None, help=f"baseline spec (default: {', '.join(RULES)})")
     ap.add_argument("--select-n", type=int, default=100)
     ap.add_argument("--select-seed", type=int, default=1)
@@ -97,27 +121,32 @@ def main() -> None:
     classifiers = dict(c.split("=", 1) for c in args.classifier)
     sigmas = [float(x) for x in args.sigmas.split(",") if x]
     budgets = [float(x) for x in args.budgets.split(",") if x]
+    combos = [tuple(float(v) for v in x.split(":")) for x in args.both.split(",") if x]
     task = api.pair_task(args.pair)
     pair = api.load_pair(pair=args.pair, threads=args.threads)
     root = args.results / "budget_frontier"
 
     # 1. selection
+    base = api.method_specs(pair, "ar,sd")
     sel_rows = [r for r in run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
-                               root / "select-base", "ar,sd", None) if r["method"] in ("ar", "sd")]
+                               root / "select-base", base, None) if r["method"] in ("ar", "sd")]
     picks: dict[str, dict[str, str]] = {}
     for name, path in classifiers.items():
         rows = tagged(run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
-                          root / f"select-{name}", "pad", path, sigmas=sigmas, budgets=budgets), name)
+                          root / f"select-{name}", pad_specs(pair, path, sigmas, budgets), path), name)
+        if combos:
+            rows += tagged(run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
+                               root / f"select-{name}-both", pad_specs(pair, path, combos=combos), path), name)
         sel_rows += rows
         summary = summarize(sel_rows)
         labels = sorted({r["method"] for r in rows})
-        picks[name] = {kind: choose(summary, [m for m in labels if (m.split(":")[1].startswith("pad-budget"))
-                                              == (kind == "budget")], args.within) for kind in ("sigma", "budget")}
+        picks[name] = {k: choose(summary, [m for m in labels if kind(m) == k], args.within)
+                       for k in ("sigma", "budget", "both") if any(kind(m) == k for m in labels)}
     sel_summary = with_overrides(summarize(sel_rows), sel_rows)
     chosen = {m for p in picks.values() for m in p.values()}
     print(f"selection: {args.select_n} validation problems (seed {args.select_seed})")
     print(table(sel_summary, chosen))
-    result = {"pair": args.pair, "classifiers": classifiers, "sigmas": sigmas, "budgets": budgets,
+    result = {"pair": args.pair, "classifiers": classifiers, "sigmas": sigmas, "budgets": budgets, "both": combos,
               "select": {"n": args.select_n, "seed": args.select_seed, "summary": sel_summary, "picks": picks},
               "cpu": os.cpu_count(), "batch_size": args.batch_size}
     out = args.results / "budget_frontier.json"
@@ -127,11 +156,12 @@ def main() -> None:
 
     # 2. test: ar, sd and the rules once; each classifier's chosen points
     rules = args.rule or RULES
-    test_rows = run(pair, task, "test", args.n, 0, args.batch_size, root / "test-base", "ar,sd", None, rules=rules)
+    base = api.method_specs(pair, "ar,sd", baselines=rules)
+    test_rows = run(pair, task, "test", args.n, 0, args.batch_size, root / "test-base", base, None)
     for name, path in classifiers.items():
-        knobs = {kind: float(m.split("@")[1].split()[0]) for kind, m in picks[name].items()}
-        test_rows += tagged(run(pair, task, "test", args.n, 0, args.batch_size, root / f"test-{name}", "pad", path,
-                                sigmas=[knobs["sigma"]], budgets=[knobs["budget"]]), name)
+        specs = [s for m in picks[name].values() for s in pad_specs(pair, path, **knobs(m))]
+        test_rows += tagged(run(pair, task, "test", args.n, 0, args.batch_size, root / f"test-{name}", specs, path),
+                            name)
     test_summary = with_overrides(summarize(test_rows), test_rows)
     print(f"\ntest: {args.n} test problems (seed 0), greedy, gamma 5, batch {args.batch_size}")
     print(table(test_summary, chosen))

@@ -18,6 +18,7 @@ from pivotspec.decoding.batch import Request, decode_many
 from pivotspec.decoding.loop import decode
 from pivotspec.decoding.sampling import SamplingConfig
 from pivotspec.errors import UsageError
+from pivotspec.evaluation.runs import method_specs
 from pivotspec.policies import make_policy
 from tests.test_batch import hidden_classifier
 from tests.test_classifier import synthetic, trained  # noqa: F401  (trained: the module-scoped classifier)
@@ -65,8 +66,20 @@ def test_the_floor_still_applies_and_a_budget_is_checked():
     assert Budget(priced(0.0), budget=1.0, p_floor=0.99).override(v).tolist() == [False]
     with pytest.raises(UsageError, match="budget must be >= 0"):
         Budget(priced(0.0), budget=-0.1)
-    with pytest.raises(UsageError, match="not both"):
-        make_policy("pad", None, classifier="const:0.1", sigma=0.3, budget=1.0)
+    with pytest.raises(UsageError, match="needs both"):
+        Budget(priced(0.0), budget=1.0, sigma=0.3)
+
+
+def test_with_sigma_an_override_must_also_pass_the_per_token_rule():
+    v = verification([False, False, False])
+    scores = lambda v: torch.tensor([0.1, 0.6, 0.1])  # noqa: E731  (pivot scores: d2 looks like a pivot)
+    inside = Budget(priced(0.01, 0.01, 0.01), budget=5.0, p_floor=0.0, pivot=scores, sigma=0.5).for_answer()
+    assert inside.override(v).tolist() == [True, False, False]  # d2 fails sigma: the step's overrides end
+    assert inside.spent == pytest.approx(0.01)
+    alone = Budget(priced(0.01, 0.01, 0.01), budget=5.0, p_floor=0.0).for_answer()
+    assert alone.override(v).tolist() == [True, True, True]  # the budget alone pays for the likely pivot too
+    policy = make_policy("pad", None, classifier="const:0.3", sigma=0.2, budget=1.0)
+    assert policy.sigma == 0.2 and policy.override(v).tolist() == [False, False, False]  # 0.3 > 0.2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -162,8 +175,8 @@ def test_a_classifier_without_a_drop_head_is_a_one_line_error(trained, tiny_dir,
     assert len(err.strip().splitlines()) == 1 and "no drop head" in err and "train it again" in err
     assert main([*base, "--max-new-tokens", "4"]) == 0  # per-token PAD does not need it
     capsys.readouterr()
-    assert main([*base, "--budget", "0.5", "--sigma", "0.3"]) == 2
-    assert "not both" in capsys.readouterr().err
+    assert main([*base, "--budget", "0.5", "--sigma", "0.3"]) == 2  # sigma inside a budget needs the head too
+    assert "no drop head" in capsys.readouterr().err
     net, config = clf.load(old)
     assert "drop" in config  # the config block alone is not enough: the weights are what price a token
 
@@ -178,6 +191,8 @@ def test_eval_runs_one_pad_budget_per_budget(tiny_dir, tmp_path, capsys):
                  "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["methods"]
     assert list(summary) == ["sd", "pad-budget@0", "pad-budget@0.5"]
+    both = [s.label for s in method_specs("pad", classifier="const:0.25", sigmas=[0.2, 0.3], budgets=[0.5])]
+    assert both == ["pad@0.2 budget=0.5", "pad@0.3 budget=0.5"]  # one per (sigma, budget)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     spent = [r["stats"]["budget_spent"] for r in rows if r["method"] == "pad-budget@0.5"]
     assert len(spent) == 3 and all(s <= 0.5 and s * 4 == round(s * 4) for s in spent)  # whole 0.25s

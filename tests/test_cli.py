@@ -81,8 +81,8 @@ def error_cases(tiny_dir, other, tmp_path):
                                "sigma must be in [0, 1]"),
         "negative budget": ([*base, "--draft", d, "--method", "pad", "--classifier", "const:0.1", "--budget", "-1"],
                             "budget must be >= 0"),
-        "budget and sigma": ([*base, "--draft", d, "--method", "pad", "--classifier", "const:0.1", "--budget", "1",
-                              "--sigma", "0.2"], "not both"),
+        "budget with sigma out of range": ([*base, "--draft", d, "--method", "pad", "--classifier", "const:0.1",
+                                            "--budget", "1", "--sigma", "2"], "sigma must be in [0, 1]"),
         "budgets not numbers": (["eval", "--target", t, "--draft", d, "--methods", "pad", "--classifier", "const:0.1",
                                  "--budgets", "x"], "--budgets must be comma-separated numbers"),
         # found by the hardening probe (issue 15)

@@ -39,8 +39,9 @@ def make_policy(method: str, target: Any = None, *, classifier: str | None = Non
     reads ``classifier``, a directory from train-classifier or ``const:SCORE`` (default: the pair's shipped
     one). With ``budget`` PAD keeps overrides while the answer's summed predicted drop stays within it
     (``acceptance.Budget``: the classifier's drop head; ``const:SCORE`` prices every override at SCORE) instead
-    of the per-token sigma. With ``target=None`` a pad classifier's directory, sigma, budget and floor are only
-    checked (argument errors before models load) and None is returned."""
+    of the per-token sigma, or with ``sigma`` too, as well as it. With ``target=None`` a pad classifier's
+    directory, sigma, budget and floor are only checked (argument errors before models load) and None is
+    returned."""
     if is_baseline(method):
         return make_baseline(method)
     if method not in METHODS:
@@ -48,8 +49,6 @@ def make_policy(method: str, target: Any = None, *, classifier: str | None = Non
                          f"({', '.join(BASELINES)})")
     if method != "pad":
         return Lossless()
-    if budget is not None and sigma is not None:
-        raise UsageError("give PAD a sigma (per token) or a budget (per answer), not both")
     classifier = classifier or default_classifier(pair)
     if not classifier:
         raise UsageError("--method pad needs a pivot classifier: pass --classifier DIR (or const:SCORE)")
@@ -59,19 +58,21 @@ def make_policy(method: str, target: Any = None, *, classifier: str | None = Non
         except ValueError:
             raise UsageError(f"bad classifier {classifier!r}: write const:SCORE with SCORE in [0, 1]") from None
         if budget is not None:
-            return Budget(constant_classifier(score), budget=budget, p_floor=p_floor)
+            pivot = None if sigma is None else constant_classifier(score)
+            return Budget(constant_classifier(score), budget=budget, p_floor=p_floor, pivot=pivot, sigma=sigma)
         return PAD(constant_classifier(score), sigma=0.5 if sigma is None else sigma, p_floor=p_floor)
     if target is None:
         _, config = load(Path(classifier))  # validates the directory before any model is loaded
         if budget is not None:
             drop.load(Path(classifier), config)  # the budget needs the drop head
             Budget(constant_classifier(0.0), budget=budget, p_floor=p_floor)  # validates the budget and the floor
-        if sigma is not None:
+        if sigma is not None:  # alone, or PAD's per-token rule inside the budget
             PAD(constant_classifier(0.0), sigma=sigma, p_floor=p_floor)  # validates sigma and the floor
         return None
-    if budget is not None:
-        price, config = drop.load_for_target(Path(classifier), target)
-        return Budget(price, budget=budget, p_floor=p_floor, hidden_layer=config["layer"])
     classify, config = load_for_target(Path(classifier), target)
+    if budget is not None:
+        price, _ = drop.load_for_target(Path(classifier), target)
+        return Budget(price, budget=budget, p_floor=p_floor, hidden_layer=config["layer"],
+                      pivot=None if sigma is None else classify, sigma=sigma)
     return PAD(classify, sigma=config["sigma"] if sigma is None else sigma, p_floor=p_floor,
                hidden_layer=config["layer"])

@@ -102,8 +102,8 @@ def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> 
                    help="PAD: override when pivot score <= sigma (0 = SD; default: the classifier's calibrated sigma, "
                    "0.5 for const:)")
     g.add_argument("--budget", type=float, default=None,
-                   help="PAD per answer instead of --sigma: keep overrides while the answer's summed predicted utility "
-                   "drop (the classifier's drop head) stays <= this (0 = SD)")
+                   help="PAD per answer: keep overrides while the answer's summed predicted utility drop (the "
+                   "classifier's drop head) stays <= this (0 = SD); with --sigma each override must pass that too")
     g.add_argument("--p-floor", type=float, default=api.DEFAULT_P_FLOOR,
                    help="PAD: an override needs the target's probability of the token >= this (the paper's tau; eval "
                    "labels a non-default floor as pad@0.1 tau=0.01)")

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--n", type=int, default=20, help="number of problems")
     ev.add_argument("--methods", default="ar,sd", help="comma list of ar, draft, sd, pad")
     ev.add_argument("--sigmas", help="PAD: one run per sigma, e.g. 0.3,0.5,0.7 (default: the calibrated sigma)")
-    ev.add_argument("--budgets", help="PAD per answer: one run per budget, e.g. 0.1,0.3 (see --budget)")
+    ev.add_argument("--budgets", help="PAD per answer: one run per budget, e.g. 0.1,0.3 (see --budget); with "
+                    "--sigmas one per (sigma, budget)")
     ev.add_argument("--baselines", help="relaxed rules at default knobs: typical,topk,threshold,ensemble,divergence")
     ev.add_argument("--baseline", action="append", default=[],
                     help="one relaxed rule with knobs, e.g. topk:k=3,ratio=0.2 (repeatable; default: none)")
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=16, help="requests waiting for a free batch row before 429")
     srv.add_argument("--max-model-len", type=int, default=None, help="prompt + max_tokens above this is refused "
                      "with 400 (default: the target's positions)")
-    srv.add_argument("--max-tokens", type=int, default=256, help="completion budget when a request sets none")
+    srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request sets none")
     srv.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health")
     srv.add_argument("--model-name", help="the model id clients send (default: the target's name)")
     srv.set_defaults(func=cmd_serve)

@@ -138,12 +138,17 @@ class Budget:
     draft after a rejected one is never emitted, so it must not be paid for). ``spent`` is per answer: the
     decoding loops take a fresh copy per decode (``for_answer``), so rows sharing one policy never share a
     budget. budget = 0 turns the override off: exactly SD.
+
+    With ``pivot`` and ``sigma`` an override must also pass PAD's per-token rule (pivot score <= sigma): the
+    budget alone would pay for a likely pivot as readily as for a harmless wording, as long as money is left.
     """
 
     drop: Classifier
     budget: float
     p_floor: float = DEFAULT_P_FLOOR
     hidden_layer: int | None = None
+    pivot: Classifier | None = None
+    sigma: float | None = None
     name: str = "pad-budget"
     spent: float = 0.0
 
@@ -152,6 +157,10 @@ class Budget:
             raise UsageError(f"the PAD budget must be >= 0, got {self.budget}")
         if not 0 <= self.p_floor <= 1:
             raise UsageError(f"p_floor must be in [0, 1], got {self.p_floor}")
+        if (self.pivot is None) != (self.sigma is None):
+            raise UsageError("a per-token rule inside a budget needs both the pivot classifier and sigma")
+        if self.sigma is not None and not 0 <= self.sigma <= 1:
+            raise UsageError(f"sigma must be in [0, 1], got {self.sigma}")
 
     def for_answer(self) -> Budget:
         return replace(self, spent=0.0)
@@ -161,11 +170,14 @@ class Budget:
         if self.budget <= 0:
             return keep
         price = self.drop(v).reshape(-1).tolist()
-        floor_ok = (v.draft_prob(v.p) >= self.p_floor).tolist()
+        allowed = v.draft_prob(v.p) >= self.p_floor
+        if self.pivot is not None:
+            allowed &= self.pivot(v).reshape(-1) <= self.sigma
+        allowed = allowed.tolist()
         for i, sd_ok in enumerate(v.sd_ok.tolist()):
             if sd_ok:
                 continue
-            if not floor_ok[i] or self.spent + price[i] > self.budget + 1e-6:  # float32 prices summing to it pay
+            if not allowed[i] or self.spent + price[i] > self.budget + 1e-6:  # float32 prices summing to it pay
                 break
             self.spent += price[i]
             keep[i] = True

@@ -121,8 +121,9 @@ def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] 
                  baselines: list[str] = (), classifier: str | None = None, sigma: float | None = None,
                  p_floor: float = DEFAULT_P_FLOOR, pair: str | None = None,
                  budgets: list[float] | None = None) -> list[MethodSpec]:
-    """ar/draft/sd as named; one pad per sigma (default: the classifier's calibrated one), or with ``budgets`` one
-    pad-budget per budget (PAD per answer); one policy per baseline spec. With ``target=None`` only the
+    """ar/draft/sd as named; one pad per sigma (default: the classifier's calibrated one); with ``budgets`` one
+    pad-budget per budget (PAD per answer), or with sigmas too one per (sigma, budget), the per-token rule inside
+    the budget; one policy per baseline spec. With ``target=None`` only the
     arguments are checked (pad policies are None)."""
     # A non-default floor is part of the label, and so of the run's identity: resuming a run at another floor
     # must not reuse its rows, and two floors must not share a row of the summary. The label keeps the
@@ -131,11 +132,13 @@ def method_specs(methods: str, target: LM | None = None, *, sigmas: list[float] 
     specs = []
     for m in [m.strip() for m in methods.split(",") if m.strip()]:
         if m == "pad" and budgets:
-            for b in budgets:
-                policy = make_policy(m, target, classifier=classifier, p_floor=p_floor, pair=pair, budget=b)
-                specs.append(MethodSpec(f"pad-budget@{b:g}{floor_tag}", m, policy))
-            if not sigmas:
-                continue
+            for sig in sigmas or [sigma]:
+                for b in budgets:
+                    policy = make_policy(m, target, classifier=classifier, sigma=sig, p_floor=p_floor, pair=pair,
+                                         budget=b)
+                    label = f"pad-budget@{b:g}" if sig is None else f"pad@{sig:g} budget={b:g}"
+                    specs.append(MethodSpec(label + floor_tag, m, policy))
+            continue
         for sig in (sigmas or [sigma]) if m == "pad" else [None]:
             policy = make_policy(m, target, classifier=classifier, sigma=sig, p_floor=p_floor, pair=pair)
             label = f"pad@{policy.sigma:g}{floor_tag}" if m == "pad" and policy is not None else m
