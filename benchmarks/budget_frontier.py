@@ -29,7 +29,8 @@ from pivotspec import api
 from pivotspec.evaluation.summary import summarize
 from pivotspec.store import read_records
 
-RULES = ["ensemble:w=0.5", "topk:k=5,ratio=0.5", "threshold:threshold=0.3", "threshold:threshold=0.1"]
+# the README table's best rule within 1 point of ar, and the rule nearest eta 0.75
+RULES = ["ensemble:w=0.5", "threshold:threshold=0.1"]
 
 
 def run(pair: api.Pair, task: str, split: str, n: int, seed: int, batch: int, out: Path,
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.1,0.2,0.4,0.8,1.6")
     ap.add_argument("--both", default="", help="(sigma:budget) pairs, e.g. 0.2:0.4,0.3:0.4: the per-token rule "
                     "inside the budget")
+    ap.add_argument("--more-sigmas", default="", help="sigmas added after a first selection run (their own run)")
+    ap.add_argument("--test-kinds", default="sigma,budget,both", help="which kinds' chosen points the test runs")
     ap.add_argument("--rule", action="append", default=None, help=f"baseline spec (default: {', '.join(RULES)})")
     ap.add_argument("--select-n", type=int, default=100)
     ap.add_argument("--select-seed", type=int, default=1)
@@ -122,6 +125,7 @@ def main() -> None:
     sigmas = [float(x) for x in args.sigmas.split(",") if x]
     budgets = [float(x) for x in args.budgets.split(",") if x]
     combos = [tuple(float(v) for v in x.split(":")) for x in args.both.split(",") if x]
+    more = [float(x) for x in args.more_sigmas.split(",") if x]
     task = api.pair_task(args.pair)
     pair = api.load_pair(pair=args.pair, threads=args.threads)
     root = args.results / "budget_frontier"
@@ -134,9 +138,9 @@ def main() -> None:
     for name, path in classifiers.items():
         rows = tagged(run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
                           root / f"select-{name}", pad_specs(pair, path, sigmas, budgets), path), name)
-        if combos:
+        if combos or more:  # a second run, so that the first one's rows stay its own and resume
             rows += tagged(run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
-                               root / f"select-{name}-both", pad_specs(pair, path, combos=combos), path), name)
+                               root / f"select-{name}-more", pad_specs(pair, path, more, combos=combos), path), name)
         sel_rows += rows
         summary = summarize(sel_rows)
         labels = sorted({r["method"] for r in rows})
@@ -146,7 +150,8 @@ def main() -> None:
     chosen = {m for p in picks.values() for m in p.values()}
     print(f"selection: {args.select_n} validation problems (seed {args.select_seed})")
     print(table(sel_summary, chosen))
-    result = {"pair": args.pair, "classifiers": classifiers, "sigmas": sigmas, "budgets": budgets, "both": combos,
+    result = {"pair": args.pair, "classifiers": classifiers, "sigmas": sigmas + more, "budgets": budgets,
+              "both": combos,
               "select": {"n": args.select_n, "seed": args.select_seed, "summary": sel_summary, "picks": picks},
               "cpu": os.cpu_count(), "batch_size": args.batch_size}
     out = args.results / "budget_frontier.json"
@@ -159,7 +164,8 @@ def main() -> None:
     base = api.method_specs(pair, "ar,sd", baselines=rules)
     test_rows = run(pair, task, "test", args.n, 0, args.batch_size, root / "test-base", base, None)
     for name, path in classifiers.items():
-        specs = [s for m in picks[name].values() for s in pad_specs(pair, path, **knobs(m))]
+        specs = [s for k, m in picks[name].items() if k in args.test_kinds.split(",")
+                 for s in pad_specs(pair, path, **knobs(m))]
         test_rows += tagged(run(pair, task, "test", args.n, 0, args.batch_size, root / f"test-{name}", specs, path),
                             name)
     test_summary = with_overrides(summarize(test_rows), test_rows)
