@@ -91,12 +91,17 @@ class Scheduler:
         try:
             finished = batch.step()
         except Exception as exc:  # every row of the batch fails; the next request starts a fresh batch
-            for row in batch.rows:
-                self.jobs.pop(id(row.request)).done(None, exc)
+            failed = [self.jobs.pop(id(row.request)) for row in batch.rows]
             del self.lanes[draft_only]
+            self._finish([(job, None) for job in failed], exc)
             return
-        for row, gen in finished:
-            self.jobs.pop(id(row.request)).done(gen, None)
-        if finished:
+        self._finish([(self.jobs.pop(id(row.request)), gen) for row, gen in finished], None)
+
+    def _finish(self, done: list[tuple[Job, Any]], exc: Exception | None) -> None:
+        """Answer finished jobs, after the gauges have counted them out: a client that reads /metrics as soon
+        as its reply arrives must not still see its request running."""
+        if done:
             with self.wake:
                 self._changed()
+        for job, gen in done:
+            job.done(gen, exc)
