@@ -26,8 +26,6 @@ import os
 from pathlib import Path
 
 from pivotspec import api
-from pivotspec.evaluation.summary import summarize
-from pivotspec.store import read_records
 
 # the README table's best rule within 1 point of ar, and the rule nearest eta 0.75
 RULES = ["ensemble:w=0.5", "threshold:threshold=0.1"]
@@ -39,7 +37,7 @@ def run(pair: api.Pair, task: str, split: str, n: int, seed: int, batch: int, ou
     settings = api.EvalSettings(task=task, split=split, n=n, seed=seed, classifier=classifier, out=out,
                                 batch_size=batch)
     api.evaluate(pair, settings, specs=specs)
-    return read_records(out / "results.jsonl")
+    return api.read_results(out / "results.jsonl")
 
 
 def pad_specs(pair: api.Pair, path: str, sigmas=(), budgets=(), combos=()) -> list[api.MethodSpec]:
@@ -142,11 +140,11 @@ def main() -> None:
             rows += tagged(run(pair, task, "validation", args.select_n, args.select_seed, args.batch_size,
                                root / f"select-{name}-more", pad_specs(pair, path, more, combos=combos), path), name)
         sel_rows += rows
-        summary = summarize(sel_rows)
+        summary = api.summarize(sel_rows)
         labels = sorted({r["method"] for r in rows})
         picks[name] = {k: choose(summary, [m for m in labels if kind(m) == k], args.within)
                        for k in ("sigma", "budget", "both") if any(kind(m) == k for m in labels)}
-    sel_summary = with_overrides(summarize(sel_rows), sel_rows)
+    sel_summary = with_overrides(api.summarize(sel_rows), sel_rows)
     chosen = {m for p in picks.values() for m in p.values()}
     print(f"selection: {args.select_n} validation problems (seed {args.select_seed})")
     print(table(sel_summary, chosen))
@@ -168,7 +166,7 @@ def main() -> None:
                  for s in pad_specs(pair, path, **knobs(m))]
         test_rows += tagged(run(pair, task, "test", args.n, 0, args.batch_size, root / f"test-{name}", specs, path),
                             name)
-    test_summary = with_overrides(summarize(test_rows), test_rows)
+    test_summary = with_overrides(api.summarize(test_rows), test_rows)
     print(f"\ntest: {args.n} test problems (seed 0), greedy, gamma 5, batch {args.batch_size}")
     print(table(test_summary, chosen))
     result["test"] = {"n": args.n, "rules": rules, "summary": test_summary}
