@@ -71,7 +71,7 @@ def make_policy(method: str, target: Any = None, *, classifier: str | None = Non
         return None
     classify, config = load_for_target(Path(classifier), target)
     if budget is not None:
-        price, _ = drop.load_for_target(Path(classifier), target)
+        price = drop.as_policy_drop(drop.load(Path(classifier), config).to(target.device))  # config checked above
         return Budget(price, budget=budget, p_floor=p_floor, hidden_layer=config["layer"],
                       pivot=None if sigma is None else classify, sigma=sigma)
     return PAD(classify, sigma=config["sigma"] if sigma is None else sigma, p_floor=p_floor,

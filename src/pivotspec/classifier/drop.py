@@ -92,9 +92,3 @@ def as_policy_drop(net: clf.PivotNet) -> Callable[[Any], torch.Tensor]:
 
     return price
 
-
-def load_for_target(path: Path, target: Any) -> tuple[Callable[[Any], torch.Tensor], dict[str, Any]]:
-    """The drop head as the budget's price function, checked against ``target`` like the classifier."""
-    _, config = clf.load(path)
-    clf.check_compatible(config, target)
-    return as_policy_drop(load(path, config).to(target.device)), config

@@ -120,23 +120,22 @@ def train(kind: str, d_model: int, train_x: tuple, train_y: torch.Tensor, val_x:
     if loss is None:
         counts = torch.bincount(train_y, minlength=2).float().clamp_min(1)
         loss = nn.CrossEntropyLoss(weight=counts.sum() / (2 * counts))
-    loss_fn = loss
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     best, best_state, best_epoch = float("inf"), None, 0
     for epoch in range(epochs):
         net.train()
         opt.zero_grad()
-        loss = loss_fn(net(*train_x), train_y)
-        loss.backward()
+        train_loss = loss(net(*train_x), train_y)
+        train_loss.backward()
         opt.step()
         net.eval()
         with torch.no_grad():
-            val_loss = loss_fn(net(*val_x), val_y).item() if len(val_y) else loss.item()
+            val_loss = loss(net(*val_x), val_y).item() if len(val_y) else train_loss.item()
         if val_loss < best - 1e-6:
             best, best_epoch = val_loss, epoch
             best_state = {k: v.clone() for k, v in net.state_dict().items()}
         if progress and epoch % 50 == 0:
-            progress(epoch, epochs, loss.item(), val_loss)
+            progress(epoch, epochs, train_loss.item(), val_loss)
         if epoch - best_epoch > patience:
             break
     net.load_state_dict(best_state)
