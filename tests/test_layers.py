@@ -16,6 +16,7 @@ LAYERS = [
     ("embedded artifacts", ["pivotspec.testbed"]),
     ("labels", ["pivotspec.labels"]),
     ("classifier", ["pivotspec.classifier"]),
+    ("integrations", ["pivotspec.integrations"]),
     ("policies", ["pivotspec.policies"]),
     ("evaluation", ["pivotspec.evaluation"]),
     ("api", ["pivotspec", "pivotspec.api", "pivotspec._moved"]),

@@ -6,7 +6,8 @@
     out.text, out.token_ids, out.stats["tau"], out.trace
 
 The command line, the server and the benchmarks call only this package (and ``pivotspec.errors``): ``pairs``
-(models and tasks by name), ``decoding``, ``evaluation``, ``labels`` and ``classifier``, all re-exported here.
+(models and tasks by name), ``decoding``, ``evaluation``, ``labels``, ``classifier`` and ``engines`` (PAD inside
+vLLM), all re-exported here.
 Each argument is checked here once: every ``check_*`` function runs before any model loads, and the function it
 guards runs it again, so a Python caller who skips it gets the same one-line errors.
 """
@@ -25,6 +26,7 @@ from pivotspec.api.decoding import (
     new_batch,
     read_prompts,
 )
+from pivotspec.api.engines import ENGINES, check_engine, vllm_decoder, vllm_generate, vllm_server
 from pivotspec.api.evaluation import (
     check_evaluate,
     evaluate,
@@ -62,18 +64,21 @@ from pivotspec.api.pairs import (
 )
 from pivotspec.classifier.model import TYPES as CLASSIFIER_TYPES
 from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR
+from pivotspec.decoding.export import full_vocab_checkpoint
 from pivotspec.decoding.loop import METHODS, Generation
 from pivotspec.evaluation.runs import EvalSettings, MethodSpec
 
 __all__ = [
     "CLASSIFIER_TYPES",
     "DEFAULT_P_FLOOR",
+    "ENGINES",
     "EvalSettings",
     "Generation",
     "METHODS",
     "MethodSpec",
     "Pair",
     "check_decoding",
+    "check_engine",
     "check_evaluate",
     "check_label",
     "check_request",
@@ -84,6 +89,7 @@ __all__ = [
     "encode",
     "evaluate",
     "evaluate_classifier",
+    "full_vocab_checkpoint",
     "format_cell",
     "format_paired",
     "format_table",
@@ -113,4 +119,7 @@ __all__ = [
     "summarize",
     "task_for",
     "train_classifier",
+    "vllm_decoder",
+    "vllm_generate",
+    "vllm_server",
 ]

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pivotspec.api import engines
 from pivotspec.api.decoding import check_decoding
 from pivotspec.api.pairs import Pair, default_classifier, get_task
 from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR
@@ -62,7 +63,15 @@ def evaluate(pair: Pair, settings: EvalSettings | None = None, *, methods: str =
         classifier = default_classifier(pair.name)
     st = replace(st, classifier=classifier)
     target = None if all(s.method == "draft" for s in specs) else pair.target
-    return runs.evaluate(st, task, task.problems(st.split, st.n, st.seed), specs, target, pair.draft, between)
+    problems = task.problems(st.split, st.n, st.seed)
+    if st.engine == "torch":
+        return runs.evaluate(st, task, problems, specs, target, pair.draft, between)
+    decoders = engines.vllm_decoders(pair, specs, st)
+    try:
+        return runs.evaluate(st, task, problems, specs, target, pair.draft, between, decoders=decoders)
+    finally:
+        for d in set(decoders.values()):
+            d.close()
 
 
 def summarize(rows: list[dict[str, Any]], references: tuple[str, ...] = ("ar", "sd")) -> dict[str, dict[str, Any]]:

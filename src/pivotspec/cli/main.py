@@ -30,6 +30,9 @@ from pivotspec.cli.common import (
 from pivotspec.cli.labels import add_parsers as add_labels_parsers
 from pivotspec.errors import UsageError
 
+ENGINE_HELP = ("torch: pivotspec's own loop; vllm: ar, sd and pad inside vLLM's engine (PAD by pivotspec's vLLM "
+               "plugin; vLLM 0.32 in .venv-vllm from ./install.sh --with-vllm, or $PIVOTSPEC_VLLM_PYTHON)")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="pivotspec", description="Pivot-aware speculative decoding (PAD) on Hugging Face causal LMs.")
@@ -46,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help='JSONL, one {"prompt": ...} or {"messages": [...]} per line; models load once')
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt: text, token_ids, stats, trace")
+    gen.add_argument("--engine", choices=api.ENGINES, default="torch", help=ENGINE_HELP + "; all prompts decode as "
+                     "one batch there, and stats are the batch's")
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="run methods side by side on a task")
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "rerunning the same command resumes")
     ev.add_argument("--overwrite", action="store_true", help="start --out over instead of resuming")
     ev.add_argument("--json", action="store_true")
+    ev.add_argument("--engine", choices=api.ENGINES, default="torch", help=ENGINE_HELP)
     ev.set_defaults(func=cmd_eval)
 
     add_labels_parsers(sub)  # label, labels stats|merge
@@ -106,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request sets none")
     srv.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health")
     srv.add_argument("--model-name", help="the model id clients send (default: the target's name)")
+    srv.add_argument("--engine", choices=api.ENGINES, default="torch", help=ENGINE_HELP + ". With vllm this runs "
+                     "vLLM's own OpenAI server (its flags after --), requests set PAD's knobs in vllm_xargs "
+                     "(pad_sigma, pad_p_floor), and /metrics adds pivotspec:pad_overrides_total")
+    srv.add_argument("vllm_args", nargs="*", help="with --engine vllm: more flags for vLLM's server, after --")
     srv.set_defaults(func=cmd_serve)
 
     add_classifier_parsers(sub)
@@ -127,7 +137,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     method = args.method or ("sd" if (args.draft or args.pair) else "ar")
     prompts = api.read_prompts(args.prompts_file) if args.prompts_file else [{"prompt": args.prompt}]
     api.make_policy(None, method, pair_name=args.pair, **policy_args(args))  # argument errors before models load
+    api.check_engine(args.engine, method, args.classifier)
     pair = load_pair(args, needs_draft=method != "ar")
+    if args.engine == "vllm":
+        return generate_in_vllm(args, pair, method, prompts)
     policy = api.make_policy(pair, method, **policy_args(args))
     for item in prompts:
         gen = api.generate(pair, item.get("prompt"), messages=item.get("messages"), method=method, policy=policy,
@@ -144,13 +157,35 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(f"[{method}] {s['new_tokens']} tokens, {s['wall_s']:.2f}s, tau {tau}, eta {eta}", file=sys.stderr)
 
 
+def generate_in_vllm(args: argparse.Namespace, pair: api.Pair, method: str, prompts: list[dict[str, Any]]) -> None:
+    """``generate --engine vllm``: every prompt in one vLLM batch."""
+    if args.stop or args.budget is not None:
+        raise UsageError("the vLLM engine takes neither --stop nor --budget: use --engine torch")
+    ids = [api.encode(pair.target, item.get("prompt"), item.get("messages"), chat=args.chat,
+                      chat_template_kwargs=args.chat_template_kwargs) for item in prompts]
+    gens = api.vllm_generate(pair, ids, method, classifier=args.classifier, sigma=args.sigma, p_floor=args.p_floor,
+                             gamma=args.gamma, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    for gen in gens:
+        if args.json:
+            print(json.dumps(generation_json(gen, pair.target.tokenizer)), flush=True)
+        else:
+            print(gen.text, flush=True)
+    s = gens[0].stats if gens else None
+    if s and not args.json:
+        tau = f"{s['tau']:.2f}" if s["tau"] is not None else "-"
+        eta = f"{s['eta']:.2f}" if s["eta"] is not None else "-"
+        print(f"[{method} in vllm] {len(gens)} prompts, {sum(g.stats['new_tokens'] for g in gens)} tokens, "
+              f"{s['wall_s']:.2f}s, tau {tau}, eta {eta}, overrides {s['override']}", file=sys.stderr)
+
+
 def _eval_settings(args: argparse.Namespace) -> api.EvalSettings:
     return api.EvalSettings(task=task_name(args), data=args.data, split=args.split, n=args.n, seed=args.seed,
                             gamma=args.gamma, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, chat=not args.no_chat,
                             chat_template_kwargs=args.chat_template_kwargs, stop=args.stop,
                             classifier=args.classifier, out=args.out, overwrite=args.overwrite,
-                            batch_size=args.batch_size)
+                            batch_size=args.batch_size, engine=getattr(args, "engine", "torch"))
 
 
 def run_eval_command(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -217,6 +252,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise UsageError("--max-model-len must be >= 2 (a prompt token and a new one)")
     # a bad default method, classifier or sigma fails now, before the models load, not on every request
     api.make_policy(None, args.method, classifier=args.classifier, sigma=args.sigma, pair_name=args.pair)
+    if args.engine == "vllm":
+        return serve_in_vllm(args)
+    if args.vllm_args:
+        raise UsageError(f"unexpected arguments {' '.join(args.vllm_args)}: flags after -- go to vLLM's server, with "
+                         "--engine vllm")
     pair = load_pair(args, needs_draft=args.method != "ar")
     settings = Settings(model=args.model_name or pair.target.name, method=args.method, classifier=args.classifier,
                         sigma=args.sigma, gamma=args.gamma, max_queue=args.max_queue, api_key=args.api_key,
@@ -224,6 +264,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
     print(f"pivotspec: serving {settings.model!r} ({settings.method}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     serve(pair, settings, args.host, args.port)
+
+
+def serve_in_vllm(args: argparse.Namespace) -> None:
+    """``serve --engine vllm``: vLLM's own OpenAI server in this process's place (signals go straight to it)."""
+    target, draft = api.resolve_names(args.target, args.draft, args.pair, needs_draft=args.method != "ar")
+    cmd, env = api.vllm_server(target, draft, method=args.method, classifier=args.classifier, sigma=args.sigma,
+                               gamma=args.gamma, host=args.host, port=args.port,
+                               served_name=args.model_name or target, extra_args=args.vllm_args, pair_name=args.pair)
+    print(f"pivotspec: serving {args.model_name or target!r} ({args.method} in vLLM) on "
+          f"http://{args.host}:{args.port}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    os.execve(cmd[0], cmd, {**os.environ, **env})
 
 
 def main(argv: list[str] | None = None) -> int:

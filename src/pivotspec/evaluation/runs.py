@@ -47,12 +47,14 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
              chat: bool = True, progress: Callable[[int, int], None] | None = None,
              done: set[tuple[str, str]] | None = None, emit: Callable[[dict], None] | None = None,
              warmup: bool = True, chat_template_kwargs: dict[str, Any] | None = None, batch_size: int = 1,
-             **decode_kwargs: Any) -> list[dict[str, Any]]:
+             decoders: dict[str, Any] | None = None, **decode_kwargs: Any) -> list[dict[str, Any]]:
     """One row per (problem, method): the completion, its score, its stats and its per-token trace.
     Pairs in ``done`` are skipped; ``emit`` receives each new row as soon as it exists. With ``warmup``,
     every method first decodes the first problem still to do once, untimed and unrecorded; the method
     order then rotates by one per problem (per chunk of problems when ``batch_size`` > 1: each method then
-    decodes a chunk of 4 x ``batch_size`` problems with at most ``batch_size`` rows at a time)."""
+    decodes a chunk of 4 x ``batch_size`` problems with at most ``batch_size`` rows at a time). ``decoders``
+    (spec label -> another engine's decoder, e.g. ``integrations.vllm.launch.VllmDecoder``) decode those specs
+    instead of the pivotspec loop."""
 
     lm = target or draft
     stop_ids = eos_ids(lm)
@@ -62,6 +64,10 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
         return decode_kwargs if spec.gamma is None else {**decode_kwargs, "gamma": spec.gamma}
 
     def run(spec: MethodSpec, ids: list[int]) -> Any:
+        if decoders and spec.label in decoders:
+            return decoders[spec.label].decode(ids, decode_kwargs.get("cfg") or SamplingConfig(),
+                                               decode_kwargs.get("max_new_tokens", 128), stop_ids,
+                                               **pad_knobs(spec))
         return decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops,
                       **kwargs_for(spec))
 
@@ -84,6 +90,10 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
             mine = [i for i, p in enumerate(part) if not done or (p.id, spec.label) not in done]
             if batch_size == 1:
                 gens = [run(spec, ids[i]) for i in mine]
+            elif decoders and spec.label in decoders:
+                gens = decoders[spec.label].decode_many([ids[i] for i in mine], decode_kwargs.get("cfg") or
+                                                        SamplingConfig(), decode_kwargs.get("max_new_tokens", 128),
+                                                        stop_ids, **pad_knobs(spec))
             else:
                 gens = decode_batched(spec, [ids[i] for i in mine], target, draft, batch_size,
                                       eos_ids=stop_ids, stop_strings=stops, **kwargs_for(spec))
@@ -94,6 +104,11 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
         if progress:
             progress(first + len(part), len(problems))
     return rows
+
+
+def pad_knobs(spec: MethodSpec) -> dict[str, float | None]:
+    """The sigma and floor another engine's PAD decodes ``spec`` with (None for the other methods)."""
+    return {"sigma": getattr(spec.policy, "sigma", None), "p_floor": getattr(spec.policy, "p_floor", None)}
 
 
 def decode_batched(spec: MethodSpec, prompts: list[list[int]], target: LM | None, draft: LM | None,
@@ -224,11 +239,12 @@ class EvalSettings:
     out: Path | None = None
     overwrite: bool = False
     batch_size: int = 1  # > 1: rows decode together (throughput; a row's wall time then overlaps the others')
+    engine: str = "torch"  # or vllm: ar, sd and pad inside vLLM (integrations.vllm), other methods refused
 
 
 def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs: list[MethodSpec],
-             target: LM | None, draft: LM | None,
-             between: Callable[[int, int], None] | None = None) -> dict[str, dict[str, Any]]:
+             target: LM | None, draft: LM | None, between: Callable[[int, int], None] | None = None,
+             decoders: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Run (or resume) the evaluation; with ``settings.out`` also write results, summaries, plot and report.
     ``between(done, total)`` runs after each problem, outside any timed decode."""
     st = settings
@@ -241,7 +257,8 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
     # Settings added later enter the identity only when used, so earlier runs still resume.
     config.update({k: v for k, v in (("chat_template_kwargs", st.chat_template_kwargs), ("stop", st.stop),
                                      ("placement", placement(target, draft)),
-                                     ("batch_size", st.batch_size if st.batch_size > 1 else None)) if v})
+                                     ("batch_size", st.batch_size if st.batch_size > 1 else None),
+                                     ("engine", st.engine if st.engine != "torch" else None)) if v})
     start = time.perf_counter()
 
     def progress(i: int, total: int) -> None:
@@ -260,7 +277,7 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
                         emit=(lambda r: append_record(fh, {**r, "run": tag})) if fh else None,
                         cfg=SamplingConfig(st.temperature, st.top_k, st.top_p), gamma=st.gamma,
                         max_new_tokens=st.max_new_tokens, seed=st.seed, stop_strings=st.stop,
-                        chat_template_kwargs=st.chat_template_kwargs, batch_size=st.batch_size)
+                        chat_template_kwargs=st.chat_template_kwargs, batch_size=st.batch_size, decoders=decoders)
     wanted = {p.id for p in problems}
     rows = [r for r in earlier if r["problem_id"] in wanted] + rows
     summary = summarize(rows)

@@ -262,7 +262,7 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, seed: int = 0, dtype: str = "float32", max_model_len: int = 2048,
-                 python: str | None = None, extra: dict[str, Any] | None = None):
+                 python: str | None = None, extra: dict[str, Any] | None = None, env: dict[str, str] | None = None):
         python = python or vllm_python()
         if not Path(python).is_file():
             raise UsageError(f"the vLLM interpreter {python!r} does not exist: run ./install.sh --with-vllm or set "
@@ -271,7 +271,8 @@ class VllmEngine:
                    **(extra or {})}
         # The worker's own stdout carries only protocol lines; vLLM's logs go to our stderr.
         self.proc = subprocess.Popen([python, str(WORKER), json.dumps(options)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdout=subprocess.PIPE, text=True, bufsize=1,
+                                     env=None if env is None else {**os.environ, **env})
         hello = self._read()
         self.version = hello.get("vllm")
 
@@ -286,19 +287,26 @@ class VllmEngine:
             raise UsageError(f"the vLLM worker failed: {msg['error']}")
         return msg
 
+    def complete(self, prompts: list[list[int]], n: list[int], cfg: SamplingConfig, max_tokens: int,
+                 stop_ids: set[int], extra_args: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+        """One batch through the engine: ``n[i]`` completions of ``prompts[i]``; returns the worker's answer
+        (``outputs``: token ids per prompt per completion; ``spec``: vLLM's spec-decode counters so far)."""
+        request = {"prompts": prompts, "n": n, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                   "top_k": cfg.top_k, "max_tokens": max_tokens, "stop_token_ids": sorted(stop_ids),
+                   "extra_args": extra_args}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
     def rollouts(self, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
                  stop_ids: set[int], generator: torch.Generator) -> list[list[int]]:
         groups = group_requests(first_tokens)
         continuations = {t: [[t] for _ in range(k)] for t, k in groups}
         live = [(t, k) for t, k in groups if t not in stop_ids]
         if live and max_tokens > 1:
-            request = {"prompts": [prefix + [t] for t, _ in live], "n": [k for _, k in live],
-                       "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
-                       "max_tokens": max_tokens - 1, "stop_token_ids": sorted(stop_ids)}
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            for (t, _), outs in zip(live, self._read()["outputs"], strict=True):
+            answer = self.complete([prefix + [t] for t, _ in live], [k for _, k in live], cfg, max_tokens - 1, stop_ids)
+            for (t, _), outs in zip(live, answer["outputs"], strict=True):
                 continuations[t] = [[t] + o for o in outs]
         # Back in the caller's order: the i-th occurrence of token t gets t's i-th continuation.
         unused = {t: iter(c) for t, c in continuations.items()}

@@ -3,8 +3,10 @@
 Run by path with the interpreter of an environment that has vLLM (which may lack pivotspec, so this file
 imports nothing from it). Protocol, one JSON object per line: argv[1] holds the engine options; the worker
 answers ``{"vllm": version}`` once loaded, then for each request line ``{"prompts": [[ids]], "n": [k],
-"temperature", "top_p", "top_k", "max_tokens", "stop_token_ids"}`` writes ``{"outputs": [[[ids] * k]]}``;
-any failure is one ``{"error": "..."}`` line. It exits when its stdin closes.
+"temperature", "top_p", "top_k", "max_tokens", "stop_token_ids"}`` (optionally ``"extra_args": [{...}]``, one
+per prompt: vLLM's ``SamplingParams.extra_args``, which the PAD plugin reads) writes ``{"outputs": [[[ids] * k]],
+"spec": {...}}`` (``spec``: vLLM's ``vllm:spec_decode_*`` counters so far, when it keeps stats); any failure is
+one ``{"error": "..."}`` line. It exits when its stdin closes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def serve(options: dict, inbox, out) -> None:
     from vllm.inputs import TokensPrompt
 
     engine_args = {k: v for k, v in options.items() if k not in ("model", "seed", "dtype", "max_model_len")}
+    engine_args.setdefault("disable_log_stats", False)  # the spec-decode counters come from its stats
     llm = LLM(model=options["model"], tokenizer=options["model"], seed=options.get("seed", 0),
               dtype=options.get("dtype", "float32"), max_model_len=options.get("max_model_len", 2048),
               enable_prefix_caching=True, skip_tokenizer_init=True, **engine_args)
@@ -35,13 +38,28 @@ def serve(options: dict, inbox, out) -> None:
     out.write(json.dumps({"vllm": vllm.__version__}) + "\n")
     for line in inbox:
         req = json.loads(line)
+        extra = req.get("extra_args") or [None] * len(req["n"])
         params = [SamplingParams(n=k, temperature=req["temperature"], top_p=req["top_p"],
                                  top_k=req["top_k"] if req.get("top_k") else -1, max_tokens=req["max_tokens"],
-                                 stop_token_ids=req["stop_token_ids"], detokenize=False)
-                  for k in req["n"]]
+                                 stop_token_ids=req["stop_token_ids"], detokenize=False, extra_args=x)
+                  for k, x in zip(req["n"], extra, strict=True)]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]]
         results = llm.generate(prompts, params, use_tqdm=False)
-        out.write(json.dumps({"outputs": [[list(c.token_ids) for c in r.outputs] for r in results]}) + "\n")
+        out.write(json.dumps({"outputs": [[list(c.token_ids) for c in r.outputs] for r in results],
+                              "spec": spec_counters(llm)}) + "\n")
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's own speculative-decoding counters (drafts, draft tokens, accepted tokens), summed over engines."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # stats off, or an engine without them
+        return {}
+    out = {}
+    for m in metrics:
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
 
 
 def main() -> None:
