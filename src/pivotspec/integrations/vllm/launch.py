@@ -76,14 +76,15 @@ def engine_settings(method: str, draft_dir: Path | None, gamma: int, classifier:
     """(vLLM engine arguments, environment) for ``method``."""
     if method not in METHODS:
         raise UsageError(f"the vLLM engine runs {', '.join(METHODS)}, not {method!r}: use --engine torch for it")
+    repair_only = {ENV: json.dumps({"classifier": None})}  # the plugin's CPU repair (patches.torch_expand) alone
     if method == "ar":
-        return {}, {}
+        return {}, repair_only
     if draft_dir is None:
         raise UsageError(f"method {method} needs a draft model: give the pair's draft")
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": gamma,
             "draft_sample_method": "probabilistic"}  # sample drafts from q, as the pivotspec loop does
     if method == "sd":
-        return {"speculative_config": spec}, {}
+        return {"speculative_config": spec}, repair_only
     if not classifier:
         raise UsageError("--method pad needs a pivot classifier: pass --classifier DIR")
     if classifier.startswith("const:"):
@@ -123,11 +124,15 @@ class VllmDecoder:
         return counters.totals(self.counts) if self.counts else dict.fromkeys(counters.FIELDS, 0)
 
     def decode_many(self, prompts: list[list[int]], cfg: SamplingConfig, max_new_tokens: int, stop_ids: set[int],
-                    sigma: float | None = None, p_floor: float | None = None) -> list[Generation]:
-        """Completions of ``prompts`` in one batch (pad: at this ``sigma`` and ``p_floor``, default the engine's).
+                    sigma: float | None = None, p_floor: float | None = None,
+                    lossless: bool = False) -> list[Generation]:
+        """Completions of ``prompts`` in one batch (pad: at this ``sigma`` and ``p_floor``, default the engine's;
+        ``lossless``: with vLLM's own rejection step, the plugin standing aside).
         Counts are the batch's (vLLM counts per engine, not per request): each Generation's stats carry the batch's
         ``tau``, ``eta``, overrides and wall time, and its own tokens."""
         pad = {k: v for k, v in (("pad_sigma", sigma), ("pad_p_floor", p_floor)) if v is not None}
+        if lossless:
+            pad = {"pad": False}
         extra = [pad] * len(prompts) if pad and self.method == "pad" else None
         spec_before, counts_before = self.spec, self._counts()
         start = time.perf_counter()

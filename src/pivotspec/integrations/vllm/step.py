@@ -46,14 +46,14 @@ def verification(rows: Rows) -> Verification:
 
 
 def overrides(requests: Sequence[tuple[object, Rows]]) -> torch.Tensor:
-    """[sum g] each request's policy's override per draft token, requests in order (a request holding padding
-    drafts, id < 0, gets none)."""
+    """[sum g] each request's policy's override per draft token, requests in order (a request whose policy is
+    None, or that holds padding drafts, id < 0, gets none)."""
     out = []
     for policy, rows in requests:
         if rows.draft_tokens.numel() == 0:
             continue
         mask = torch.zeros(rows.draft_tokens.shape, dtype=torch.bool)
-        if bool((rows.draft_tokens >= 0).all()):
+        if policy is not None and bool((rows.draft_tokens >= 0).all()):
             mask = policy.override(verification(rows)).reshape(-1).bool().cpu()
         out.append(mask)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
