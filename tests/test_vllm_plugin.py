@@ -137,7 +137,8 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="no vLLM: ./install.sh --wi
 
 @needs_vllm
 def test_the_wrapped_functions_have_the_pinned_signatures():
-    """The plugin wraps six vLLM functions and may replace one; a vLLM that changed one must fail here, not mis-wire at run time."""
+    """The plugin wraps six vLLM functions and may replace one; a vLLM that changed one must fail here, not mis-wire
+    at run time."""
     script = ("from pivotspec.integrations.vllm import patches\n"
               "print(patches.signature_changes())\n"
               "key = next(iter(patches.SIGNATURES)); patches.SIGNATURES[key] = '(self)'\n"
