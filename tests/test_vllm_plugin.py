@@ -170,7 +170,7 @@ def arith_prompts(pair, n: int = 20) -> list[list[int]]:
     return [encode_problem(pair.target.tokenizer, p, True, None) for p in api.get_task("arith").problems("test", n, 0)]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=150)  # starts vLLM with the plugin
 @needs_vllm
 def test_greedy_pad_in_vllm_equals_pivotspec_and_sigma_0_is_vllm_lossless(vllm_pad):
     """20 arith problems, greedy. vLLM's prefill makes the first token by itself and its steps start after it, so
@@ -196,7 +196,7 @@ def test_greedy_pad_in_vllm_equals_pivotspec_and_sigma_0_is_vllm_lossless(vllm_p
     assert [g.token_ids for g in pad] == [f + g.token_ids for f, g in zip(firsts, ref_pad, strict=True)]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 @needs_vllm
 def test_sampled_override_rate_matches_pivotspec_within_binomial_noise(vllm_pad):
     """Temperature 0.7 on both sides, the same draft checkpoint (the full-vocabulary export vLLM runs): overrides
