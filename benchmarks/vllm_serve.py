@@ -8,7 +8,7 @@ problems, non-streaming) to one server and then the other, the order alternating
 Per server and concurrency: output tokens per second (medians over repeats of total tokens / wall), median
 request latency, and the PAD override and spec-decode counters read from each server's /metrics. Writes
 benchmarks/results/vllm_serve.json and prints a table. pivotspec's server decodes at most --max-batch rows at
-once (set to 16 here); vLLM schedules what it is given.
+once (set to 16 here); vLLM schedules what it is given, eager (--enforce-eager: no torch.compile, as in the tests).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
         port = free_port()
         cmd = [sys.executable, "-m", "pivotspec.cli", "serve", "--pair", "testbed", "--method", "pad", "--engine",
                engine, "--port", str(port), "--model-name", "testbed"]
-        cmd += ["--max-batch", "16", "--max-queue", "64"] if engine == "torch" else []
+        cmd += ["--max-batch", "16", "--max-queue", "64"] if engine == "torch" else ["--", "--enforce-eager"]
         log = open(logs / f"{engine}.log", "w")  # noqa: SIM115 (open for the server's lifetime)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()))
         servers[engine] = f"http://127.0.0.1:{port}"
