@@ -41,7 +41,8 @@ def serve(options: dict, inbox, out) -> None:
         extra = req.get("extra_args") or [None] * len(req["n"])
         params = [SamplingParams(n=k, temperature=req["temperature"], top_p=req["top_p"],
                                  top_k=req["top_k"] if req.get("top_k") else -1, max_tokens=req["max_tokens"],
-                                 stop_token_ids=req["stop_token_ids"], detokenize=False, extra_args=x)
+                                 stop_token_ids=req["stop_token_ids"], detokenize=False,
+                                 **({"extra_args": x} if x else {}))  # only what a request sets
                   for k, x in zip(req["n"], extra, strict=True)]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req["prompts"]]
         results = llm.generate(prompts, params, use_tqdm=False)
