@@ -76,35 +76,14 @@ class ForwardClock:
             h.remove()
 
 
-def full_vocab_draft(reduced, out: Path) -> Path:
-    """Save ``reduced`` (a reduced-vocabulary LM) as an ordinary full-vocabulary HF checkpoint in ``out``."""
-    import copy
-
-    model = copy.deepcopy(reduced.model)
-    known, n = reduced.vocab_map, reduced.vocab_size
-    emb, head = model.get_input_embeddings().weight.data, model.get_output_embeddings().weight.data
-    new_emb = emb[reduced.input_map]  # every id -> its row (unknown ids -> the shared unknown row)
-    new_head = torch.zeros(n, head.shape[1], dtype=head.dtype, device=head.device)
-    new_head[known] = head[: known.shape[0]]
-    model.resize_token_embeddings(n)
-    model.get_input_embeddings().weight.data.copy_(new_emb)
-    model.get_output_embeddings().weight.data.copy_(new_head)
-    model.config.vocab_size = n
-    model.save_pretrained(out)
-    reduced.tokenizer.save_pretrained(out)
-    return out
-
-
 def load_side(name: str, dtype: str, device: str):
-    """Load one model of the pair; ``testbed-draft-full`` is exported from the testbed draft on the fly.
-    Returns the model and, for that export, the reduced-vocabulary draft it came from (else None)."""
+    """Load one model of the pair; ``testbed-draft-full`` is the testbed draft's full-vocabulary export
+    (``api.full_vocab_checkpoint``, cached). Returns the model and, for that export, the reduced-vocabulary draft
+    it came from (else None)."""
     if name != "testbed-draft-full":
         return api.load_model(name, dtype, device=device), None
-    import tempfile
-
     reduced = api.load_model("testbed-draft", dtype, device=device)
-    export = full_vocab_draft(reduced, Path(tempfile.mkdtemp(prefix="pivotspec-draft-full-")))
-    lm = api.load_model(str(export), dtype, device=device)
+    lm = api.load_model(str(api.full_vocab_checkpoint("testbed-draft")), dtype, device=device)
     lm.name = name
     return lm, reduced
 
