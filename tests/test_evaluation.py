@@ -91,7 +91,7 @@ def test_eval_resumes_and_refuses_other_configs(tiny_dir, data, tmp_path, capsys
     capsys.readouterr()
     assert main([*eval_args(tiny_dir, data, out), "--temperature", "0.5"]) == 2
     err = capsys.readouterr().err
-    assert "different temperature" in err and len(err.strip().splitlines()) == 1
+    assert "different seeding, temperature" in err and len(err.strip().splitlines()) == 1
     assert main([*eval_args(tiny_dir, data, out), "--temperature", "0.5", "--overwrite"]) == 0
     assert len(read_records(out / "results.jsonl")) == len(full)
 
@@ -195,3 +195,20 @@ def test_batched_eval_rows_equal_batch1_and_report_throughput(tiny_dir, data, tm
     assert "tokens/s" in (three / "summary.md").read_text()
     assert main(eval_args(tiny_dir, data, three, *args)) == 2  # batch 1 must not resume batch 3's rows
     assert "batch_size" in capsys.readouterr().err
+
+
+def test_sampled_eval_seeds_each_problem_on_its_own(tiny_dir, tmp_path, capsys):
+    """At temperature > 0 every problem draws its own numbers (one seed shared by all problems correlated their
+    accept/reject decisions): four copies of one prompt get different samples, and a problem's answer does not
+    depend on the batch it decoded in."""
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps({"prompt": "w1 w2", "regex": "w1"}) + "\n" for _ in range(4)))
+    runs = {}
+    for b in ("1", "4"):
+        out = tmp_path / f"b{b}"
+        assert main(["eval", "--target", str(tiny_dir["llama_target"]), "--draft", str(tiny_dir["llama_draft"]),
+                     "--task", "jsonl", "--data", str(same), "--n", "4", "--methods", "ar,sd", "--temperature", "2.0",
+                     "--max-new-tokens", "16", "--gamma", "3", "--batch-size", b, "--out", str(out)]) == 0
+        runs[b] = {(r["problem_id"], r["method"]): r["completion"] for r in read_records(out / "results.jsonl")}
+    assert runs["1"] == runs["4"]
+    assert len({c for (_, m), c in runs["1"].items() if m == "ar"}) > 1

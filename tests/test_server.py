@@ -84,6 +84,17 @@ def test_completions_and_pad_extra_fields(client):
     assert spec["pad_overrides"] > 0  # const:0.3 <= sigma 1: every SD rejection with p >= tau is kept
 
 
+def test_unseeded_sampled_requests_draw_fresh_numbers_and_a_seed_repeats(client):
+    """Like OpenAI's API and vLLM: without a seed each sampled request gets its own random numbers (a fixed
+    default seed answered equal prompts with equal samples); with one, the answer repeats."""
+    def ask(**extra):
+        out = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=16, temperature=2.0, **extra)
+        return out.choices[0].text
+
+    assert len({ask() for _ in range(4)}) > 1
+    assert ask(seed=7) == ask(seed=7)
+
+
 def test_streaming_chat_with_usage(client):
     from pivotspec import api  # noqa: F401
 

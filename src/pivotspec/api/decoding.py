@@ -12,7 +12,7 @@ from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR
 from pivotspec.decoding.batch import Batch, Request, decode_many
 from pivotspec.decoding.loop import Generation, check_fits, decode
 from pivotspec.decoding.models import eos_ids
-from pivotspec.decoding.sampling import SamplingConfig
+from pivotspec.decoding.sampling import SamplingConfig, derive_seed
 from pivotspec.errors import UsageError
 from pivotspec.store import read_user_jsonl
 
@@ -101,13 +101,16 @@ def new_batch(pair: Pair, draft_only: bool = False) -> Batch:
 def generate_many(pair: Pair, prompts: list[Any], *, batch_size: int = 8, **settings: Any) -> list[Generation]:
     """Decode many prompts together, at most ``batch_size`` rows at a time (a finished row's place goes to the
     next prompt at once). Each prompt is a text, a chat message list or a list of token ids; ``settings`` are
-    ``generate``'s and apply to every row. Greedy rows equal their ``generate`` output token for token."""
+    ``generate``'s and apply to every row, except ``seed``: prompt i samples with ``derive_seed(seed, i)``, so
+    sampled rows draw independent numbers (two equal prompts get two samples, as in vLLM) and row i equals
+    ``generate(..., seed=derive_seed(seed, i))``. Greedy rows equal their ``generate`` output token for token."""
     if batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {batch_size}")
     requests = []
-    for p in prompts:
+    seed = settings.pop("seed", 0)
+    for i, p in enumerate(prompts):
         key = "prompt" if isinstance(p, str) else "prompt_ids" if p and isinstance(p[0], int) else "messages"
-        requests.append(make_request(pair, **{key: p}, **settings))
+        requests.append(make_request(pair, **{key: p}, seed=derive_seed(seed, i), **settings))
     draft_only = requests[0].method == "draft" if requests else False
     batch = new_batch(pair, draft_only)
     return decode_many(batch.target, requests, draft=batch.draft, max_batch=batch_size)

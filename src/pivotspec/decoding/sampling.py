@@ -6,6 +6,7 @@ acceptance policies use as features, while ``pick`` takes the argmax.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,14 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def derive_seed(*parts: object) -> int:
+    """A seed from stable parts (a run's seed, a problem id, a step): each problem of a sampled run draws its
+    own random numbers, the same wherever it runs (batch-mates, resumed runs), instead of every row drawing
+    the same stream from one shared seed, which correlates the rows' accept/reject decisions."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -26,7 +26,7 @@ from pivotspec.decoding.baselines import label as baseline_label
 from pivotspec.decoding.batch import Request, decode_many
 from pivotspec.decoding.loop import decode
 from pivotspec.decoding.models import LM, eos_ids
-from pivotspec.decoding.sampling import SamplingConfig
+from pivotspec.decoding.sampling import SamplingConfig, derive_seed
 from pivotspec.errors import UsageError
 from pivotspec.evaluation.reports import write_reports
 from pivotspec.evaluation.summary import summarize
@@ -54,22 +54,24 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
     order then rotates by one per problem (per chunk of problems when ``batch_size`` > 1: each method then
     decodes a chunk of 4 x ``batch_size`` problems with at most ``batch_size`` rows at a time). ``decoders``
     (spec label -> another engine's decoder, e.g. ``integrations.vllm.launch.VllmDecoder``) decode those specs
-    instead of the pivotspec loop."""
+    instead of the pivotspec loop. Each problem decodes with its own seed, ``derive_seed(seed, problem id)``
+    (the same for every method: paired draws), so sampled rows are independent of each other."""
 
     lm = target or draft
+    seed = decode_kwargs.pop("seed", 0)
     stop_ids = eos_ids(lm)
     stops = list(getattr(task, "stop_strings", [])) + list(decode_kwargs.pop("stop_strings", None) or [])
 
     def kwargs_for(spec: MethodSpec) -> dict[str, Any]:
         return decode_kwargs if spec.gamma is None else {**decode_kwargs, "gamma": spec.gamma}
 
-    def run(spec: MethodSpec, ids: list[int]) -> Any:
+    def run(spec: MethodSpec, ids: list[int], problem: Problem) -> Any:
         if decoders and spec.label in decoders:
             return decoders[spec.label].decode(ids, decode_kwargs.get("cfg") or SamplingConfig(),
                                                decode_kwargs.get("max_new_tokens", 128), stop_ids,
                                                **pad_knobs(spec))
         return decode(spec.method, target, draft, ids, spec.policy, eos_ids=stop_ids, stop_strings=stops,
-                      **kwargs_for(spec))
+                      seed=derive_seed(seed, problem.id), **kwargs_for(spec))
 
     def row(problem: Problem, spec: MethodSpec, gen: Any) -> dict[str, Any]:
         return {"problem_id": problem.id, "method": spec.label, "completion": gen.text,
@@ -79,7 +81,7 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
     todo = [p for p in problems if not done or any((p.id, s.label) not in done for s in specs)]
     if todo and warmup:  # untimed: the first decode of a process pays for lazy initialisation
         for spec in specs:
-            run(spec, encode_problem(lm.tokenizer, todo[0], chat, chat_template_kwargs))
+            run(spec, encode_problem(lm.tokenizer, todo[0], chat, chat_template_kwargs), todo[0])
     rows = []
     chunk = 1 if batch_size == 1 else 4 * batch_size
     for c, first in enumerate(range(0, len(problems), chunk)):
@@ -89,14 +91,15 @@ def run_eval(task: Task, problems: list[Problem], specs: list[MethodSpec], targe
         for spec in specs[shift:] + specs[:shift]:
             mine = [i for i, p in enumerate(part) if not done or (p.id, spec.label) not in done]
             if batch_size == 1:
-                gens = [run(spec, ids[i]) for i in mine]
+                gens = [run(spec, ids[i], part[i]) for i in mine]
             elif decoders and spec.label in decoders:
                 gens = decoders[spec.label].decode_many([ids[i] for i in mine], decode_kwargs.get("cfg") or
                                                         SamplingConfig(), decode_kwargs.get("max_new_tokens", 128),
                                                         stop_ids, **pad_knobs(spec))
             else:
-                gens = decode_batched(spec, [ids[i] for i in mine], target, draft, batch_size,
-                                      eos_ids=stop_ids, stop_strings=stops, **kwargs_for(spec))
+                gens = decode_batched(spec, [ids[i] for i in mine], target, draft, batch_size, eos_ids=stop_ids,
+                                      stop_strings=stops, seeds=[derive_seed(seed, part[i].id) for i in mine],
+                                      **kwargs_for(spec))
             for i, gen in zip(mine, gens, strict=True):
                 rows.append(row(part[i], spec, gen))
                 if emit:
@@ -114,15 +117,16 @@ def pad_knobs(spec: MethodSpec) -> dict[str, float | None]:
 def decode_batched(spec: MethodSpec, prompts: list[list[int]], target: LM | None, draft: LM | None,
                    batch_size: int, *, cfg: SamplingConfig | None = None, gamma: int = 5, max_new_tokens: int = 128,
                    eos_ids: set[int] | None = None, stop_strings: list[str] | None = None,
-                   seed: int = 0) -> list[Any]:
+                   seeds: list[int] | None = None) -> list[Any]:
     """One method over many prompts, ``batch_size`` rows at a time. Each row's stats also get the batch
     size and its share of the pass's wall time (``batch_share_s``: pass wall / rows), whose sum over the
-    rows is what the pass took: throughput comes from it, since a row's own wall time overlaps the others'."""
+    rows is what the pass took: throughput comes from it, since a row's own wall time overlaps the others'.
+    ``seeds``: one per prompt (default 0)."""
     speculate = spec.method in ("sd", "pad")
     requests = [Request(ids, policy=spec.policy if spec.method == "pad" else None, cfg=cfg or SamplingConfig(),
                         gamma=gamma, max_new_tokens=max_new_tokens, eos_ids=eos_ids or set(),
-                        stop_strings=list(stop_strings or []), seed=seed, speculate=speculate, method=spec.method)
-                for ids in prompts]
+                        stop_strings=list(stop_strings or []), seed=s, speculate=speculate, method=spec.method)
+                for ids, s in zip(prompts, seeds or [0] * len(prompts), strict=True)]
     start = time.perf_counter()
     lm = draft if spec.method == "draft" else target
     gens = decode_many(lm, requests, draft=draft if speculate else None, max_batch=batch_size)
@@ -258,7 +262,9 @@ def evaluate(settings: EvalSettings, task: Task, problems: list[Problem], specs:
     config.update({k: v for k, v in (("chat_template_kwargs", st.chat_template_kwargs), ("stop", st.stop),
                                      ("placement", placement(target, draft)),
                                      ("batch_size", st.batch_size if st.batch_size > 1 else None),
-                                     ("engine", st.engine if st.engine != "torch" else None)) if v})
+                                     ("engine", st.engine if st.engine != "torch" else None),
+                                     # sampled runs before per-problem seeds shared one stream: never merged
+                                     ("seeding", "per-problem" if st.temperature > 0 else None)) if v})
     start = time.perf_counter()
 
     def progress(i: int, total: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import secrets
 import threading
 import time
 import uuid
@@ -113,7 +114,9 @@ class Server:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise APIError(400, "stop must be a non-empty string or a list of them", param="stop")
-        seed = body.get("seed", 0)
+        # No seed: a fresh one, as in OpenAI's API and vLLM (a fixed default would give every unseeded sampled
+        # request the same random numbers: equal prompts, equal answers).
+        seed = body.get("seed", secrets.randbits(63))
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise APIError(400, "seed must be an integer", param="seed")
         gamma = body.get("gamma", self.settings.gamma)
