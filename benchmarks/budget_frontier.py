@@ -15,7 +15,7 @@ classifier saw and measured on the test problems (issue 30).
    overlap in time). Accuracy differences get McNemar's exact test, paired by problem, against `ar`.
 
 Each classifier's runs go to RESULTS/budget_frontier/<stage>-<name>/ (resumable, like `pivotspec eval
---out`); the table is printed and written to RESULTS/budget_frontier.json.
+--out`); the table is printed and written to RESULTS/<--name>.json (default budget_frontier.json).
 """
 
 from __future__ import annotations
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--select-only", action="store_true", help="stop after the selection stage")
     ap.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--name", default="budget_frontier", help="the JSON's name under RESULTS (one per study)")
     args = ap.parse_args()
     classifiers = dict(c.split("=", 1) for c in args.classifier)
     sigmas = [float(x) for x in args.sigmas.split(",") if x]
@@ -152,7 +153,7 @@ def main() -> None:
               "both": combos,
               "select": {"n": args.select_n, "seed": args.select_seed, "summary": sel_summary, "picks": picks},
               "cpu": os.cpu_count(), "batch_size": args.batch_size}
-    out = args.results / "budget_frontier.json"
+    out = args.results / f"{args.name}.json"
     out.write_text(json.dumps(result, indent=1))
     if args.select_only:
         return

@@ -14,6 +14,7 @@ import torch
 from pivotspec.classifier import features, metrics
 from pivotspec.classifier import model as clf
 from pivotspec.classifier.model import load_for_target
+from pivotspec.classifier.training import inputs as training_inputs
 from pivotspec.classifier.training import train_from_labels
 from pivotspec.cli import main
 from pivotspec.decoding.acceptance import PAD
@@ -142,13 +143,15 @@ def test_pad_with_trained_classifier_and_eval_classifier_cli(trained, tiny_dir, 
     assert (labels.parent / "labels.eval-clf" / "roc.png").is_file()
 
 
-@pytest.mark.parametrize("kind", ["extended_v2", "extended"])
+@pytest.mark.parametrize("kind", ["extended_v2", "extended", "context"])
 def test_decode_time_features_equal_training_features(tiny_dir, load, tmp_path, monkeypatch, kind):
     """Every draft token a PAD decode scores gets, from the training path (features.extract over prefix + d,
     from scratch), the very inputs the policy fed the classifier: the hidden state at d's own row, and the
     target's (and for 'extended' the draft's) entropy and p(d) from the row that predicts d. The target uses
     HF's standard init (0.02): with activations of order 1, float32 rounding between the chunked (cached) and
-    the one-pass forward stays far below 1e-5."""
+    the one-pass forward stays far below 1e-5. For 'context', the walk's candidates are the draft tokens on
+    the answer's own path that SD rejected: their context columns, rebuilt from the records alone (which d
+    the later prefixes kept), equal what the decode fed the classifier."""
     from tests.conftest import make_tiny_model
 
     target = load(make_tiny_model(tmp_path / "t", seed=5, layers=3, init=0.02))
@@ -162,21 +165,40 @@ def test_decode_time_features_equal_training_features(tiny_dir, load, tmp_path, 
         h, s = real_model_inputs(*args, **kwargs)
         g = args[3].shape[0]
         prefix = target.cached_ids[: len(target.cached_ids) - g]  # the verification forward fed [.., d_1..d_g]
+        sd_ok = args[6]().tolist() if kind == "context" else [False] * g
         for i, d in enumerate(args[3].tolist()):
-            seen.append((prefix + args[3][:i].tolist(), d, h[i].clone(), s[i].clone()))
+            seen.append((prefix + args[3][:i].tolist(), d, h[i].clone(), s[i].clone(), sd_ok[i], n_decode[0]))
         return h, s
 
     monkeypatch.setattr(clf, "model_inputs", recording)
-    policy = PAD(clf.as_policy_classifier(net), sigma=0.5, p_floor=0.0, hidden_layer=-2)
-    for prompt in ([3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24, 25, 26]):
-        decode("pad", target, draft, prompt, policy, gamma=4, max_new_tokens=12, eos_ids=set())
+    prompts, answers, n_decode = ([3, 4, 5, 6, 7], [9, 8], [20, 21, 22, 23, 24, 25, 26]), [], [0]
+    sigma = 0.5
+    if kind == "context":  # a random net's scores sit in a narrow band: split it, so some overrides happen
+        scores, score = [], clf.as_policy_classifier(net)
+        probe = PAD(lambda v: scores.append(score(v)) or scores[-1], sigma=1.0, p_floor=0.0, hidden_layer=-2)
+        for prompt in prompts:
+            decode("pad", target, draft, prompt, probe, gamma=4, max_new_tokens=12, eos_ids=set())
+        sigma = float(torch.cat(scores).median())
+        seen.clear()
+    policy = PAD(clf.as_policy_classifier(net), sigma=sigma, p_floor=0.0, hidden_layer=-2)
+    for n, prompt in enumerate(prompts):
+        n_decode[0] = n
+        answers.append(prompt + decode("pad", target, draft, prompt, policy, gamma=4, max_new_tokens=12,
+                                       eos_ids=set()).token_ids)
     monkeypatch.setattr(clf, "model_inputs", real_model_inputs)
+    if kind == "context":  # the walk's view: one trajectory per problem, a candidate where SD rejected d
+        seen = [x for x in seen if not x[4] and answers[x[5]][: len(x[0])] == x[0]]
+        overrides_before = [float(x[3][2]) for x in seen]
+        assert sum(o > 0 for o in overrides_before) >= 3 and min(overrides_before) == 0  # a mix of contexts
+        assert len({(x[5], tuple(x[0])) for x in seen}) == len(seen)  # one candidate per position, as in a walk
     assert len(seen) > 12
-    records = [{"type": "candidate", "problem_id": f"x{i}", "step": 0, "prefix_ids": prefix, "d": d, "u_acc": 0.0,
-                "u_rej": 1.0, "label": i % 2} for i, (prefix, d, _, _) in enumerate(seen)]
+    records = [{"type": "candidate", "problem_id": f"x{n}" if kind == "context" else f"x{i}",
+                "step": len(prefix) - len(prompts[n]) if kind == "context" else 0, "prefix_ids": prefix, "d": d,
+                "u_acc": 0.0, "u_rej": 1.0, "label": i % 2} for i, (prefix, d, _, _, _, n) in enumerate(seen)]
     feats = features.extract(target, records, layer=-2, draft=draft if kind == "extended" else None)
-    torch.testing.assert_close(feats["hidden"], torch.stack([h for *_, h, _ in seen]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(feats["scalars"], torch.stack([s for *_, s in seen]), atol=1e-5, rtol=1e-5)
+    inputs = training_inputs(kind, feats, torch.ones(len(records), dtype=torch.bool))
+    torch.testing.assert_close(inputs[0], torch.stack([x[2] for x in seen]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(inputs[1], torch.stack([x[3] for x in seen]), atol=1e-5, rtol=1e-5)
 
 
 def test_negative_layer_is_hf_hidden_states_indexing(tiny_dir, load):

@@ -12,6 +12,7 @@ import json
 
 import torch
 
+from pivotspec.decoding.acceptance import Context
 from pivotspec.decoding.drafting import fit_vocab
 from pivotspec.decoding.models import LM, cache_dir, file_digest
 from pivotspec.errors import UsageError
@@ -42,6 +43,32 @@ def candidates(records: list[dict]) -> list[dict]:
     if not out:
         raise UsageError("the labels file has no candidates: label more problems first")
     return out
+
+
+def contexts(cands: list[dict]) -> list[Context]:
+    """Each candidate's ``acceptance.Context``: the walk that found it kept d (a harmless label, or the policy's
+    override) at an earlier candidate exactly when d, not t, stands at that step in this candidate's prefix."""
+    earlier: dict[tuple, list[dict]] = {}
+    for r in sorted(cands, key=lambda r: r["step"]):
+        earlier.setdefault((r.get("source", 0), r["problem_id"]), []).append(r)
+    out = []
+    for r in cands:
+        prefix = r["prefix_ids"]
+        start = len(prefix) - r["step"]  # the prompt's length: the walk's step counts the tokens it generated
+        kept = [e["step"] for e in earlier[(r.get("source", 0), r["problem_id"])]
+                if e["step"] < r["step"] and prefix[start + e["step"]] == e["d"]]
+        out.append(Context(r["step"], len(kept), r["step"] - 1 - kept[-1] if kept else r["step"]))
+    return out
+
+
+def context_columns(cands: list[dict]) -> torch.Tensor:
+    """[n, N_CONTEXT] the context classifier's extra inputs per candidate, through ``model.context_features``
+    (the function a decoding step calls), a candidate being a one-token step that SD rejected."""
+    from pivotspec.classifier.model import N_CONTEXT, context_features
+
+    rejected = torch.zeros(1, dtype=torch.bool)
+    rows = [context_features(c, rejected)[0] for c in contexts(cands)]
+    return torch.stack(rows) if rows else torch.zeros(0, N_CONTEXT)
 
 
 @torch.inference_mode()
@@ -77,7 +104,8 @@ def _model_features(target: LM, cands: list[dict], layer: int | None,
 
 def extract(target: LM, records: list[dict], layer: int, draft: LM | None = None,
             cache_key: str | None = None) -> dict[str, torch.Tensor]:
-    """Features of every candidate: {"hidden": [n, d], "scalars": [n, 2, or 4 with a draft], "labels",
+    """Features of every candidate: {"hidden": [n, d], "scalars": [n, 2, or 4 with a draft], "context": [n, 3],
+    "labels",
     "u_acc", "u_rej": [n], "group": [n] problem index}. Filters are applied later, by the caller."""
     from safetensors.torch import load_file, save_file
 
@@ -91,7 +119,7 @@ def extract(target: LM, records: list[dict], layer: int, draft: LM | None = None
                             draft.name if draft else None, target.device.type, str(target.model.dtype)])
         path = cache_dir() / "features" / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.safetensors"
         if path.is_file():
-            return load_file(str(path))
+            return {**load_file(str(path)), "context": context_columns(cands)}
     hidden, scalars = _model_features(target, cands, layer, draft)
     problems = {p: i for i, p in enumerate(dict.fromkeys(r["problem_id"] for r in cands))}
     feats = {"hidden": hidden.contiguous(), "scalars": scalars.contiguous(),
@@ -104,7 +132,7 @@ def extract(target: LM, records: list[dict], layer: int, draft: LM | None = None
         tmp = path.with_suffix(".tmp")
         save_file(feats, str(tmp))
         tmp.replace(path)
-    return feats
+    return {**feats, "context": context_columns(cands)}  # from the records alone: cheap, so never cached
 
 
 SPLITS = ("train", "selection", "report")

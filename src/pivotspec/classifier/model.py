@@ -20,19 +20,23 @@ from torch import nn
 from pivotspec.decoding.sampling import entropy
 from pivotspec.errors import UsageError
 
-TYPES = ("extended_v2", "extended", "mlp", "linear")
+TYPES = ("extended_v2", "extended", "context", "mlp", "linear")
 # Which hidden-state row a classifier reads; recorded in classifier.json so an old model is refused.
 FEATURE_ROW = "draft_token"
 WEIGHTS, CONFIG = "classifier.safetensors", "classifier.json"
 
 
 def n_scalars(kind: str) -> int:
-    return {"extended_v2": 2, "extended": 4}.get(kind, 0)
+    return {"extended_v2": 2, "extended": 4, "context": 2 + N_CONTEXT}.get(kind, 0)
+
+
+N_CONTEXT = 3  # columns of ``context_features``
 
 
 class PivotNet(nn.Module):
     """extended_v2: Linear(d->64)(h) ++ Linear(2->16)(s) -> Linear(80->128) -> ReLU -> Linear(128->2);
-    extended: the same with 4 scalars (draft entropy and q(d) too); mlp: h -> 128 -> ReLU -> 2; linear: h -> 2.
+    extended: the same with 4 scalars (draft entropy and q(d) too); context: with 5 (extended_v2's and the
+    answer's ``context_features``); mlp: h -> 128 -> ReLU -> 2; linear: h -> 2.
     ``outputs`` replaces the 2 logits (pivot or not) for other heads on the same inputs (``classifier.drop``)."""
 
     def __init__(self, kind: str, d_model: int, outputs: int = 2):
@@ -68,22 +72,46 @@ class PivotNet(nn.Module):
             self.s_std.copy_(s.std(0).clamp_min(1e-6))
 
 
+def context_features(context: Any, sd_ok: torch.Tensor) -> torch.Tensor:
+    """[g, 3] what the draft wrote of the answer before each of a step's g draft tokens: log(1 + overrides),
+    overrides / tokens, log(1 + tokens since the last override). ``context`` (``acceptance.Context``) is the
+    answer before the step; within it, d_i follows d_1 .. d_{i-1}, and d_i is emitted only if they were all
+    kept, so each of them that SD rejected (``~sd_ok``) counts as an override. One function for training
+    (one candidate, ``sd_ok`` = [False]) and decoding."""
+    if context is None:
+        raise UsageError("a context classifier reads the answer's overrides so far, which this caller does not "
+                         "give: decode it with pivotspec's own loop (generate, eval, serve --engine torch)")
+    g = sd_ok.shape[0]
+    rejected = (~sd_ok.bool()).long().cpu()
+    before = torch.cumsum(rejected, 0) - rejected  # rejected drafts ahead of position i in this step
+    pos = torch.arange(g)
+    last = torch.cummax(torch.where(rejected.bool(), pos, torch.full_like(pos, -1)), 0).values
+    last_before = torch.cat([torch.full((1,), -1), last[:-1]]) if g else last  # last rejected index < i
+    since = torch.where(last_before >= 0, pos - 1 - last_before, context.since_override + pos)
+    overrides = context.overrides + before
+    generated = context.generated + pos
+    cols = [torch.log1p(overrides.float()), overrides.float() / generated.clamp_min(1).float(),
+            torch.log1p(since.float())]
+    return torch.stack(cols, dim=-1).to(sd_ok.device)
+
+
 def scalar_features(kind: str, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
                     draft_probs: torch.Tensor | None) -> torch.Tensor | None:
     """[n, k] scalars: target entropy and p(d) (+ draft entropy and q(d) for ``extended``), each from the
-    distribution that predicts d."""
+    distribution that predicts d. (``context`` adds ``context_features`` in ``model_inputs``.)"""
     k = n_scalars(kind)
     if not k:
         return None
     idx = draft_tokens[:, None]
     cols = [entropy(target_probs), target_probs.gather(-1, idx).squeeze(-1)]
-    if k == 4:
+    if kind == "extended":
         cols += [entropy(draft_probs), draft_probs.gather(-1, idx).squeeze(-1)]
     return torch.stack(cols, dim=-1)
 
 
 def model_inputs(kind: str, hidden_rows: torch.Tensor | None, target_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                 draft_probs: torch.Tensor | Callable[[], torch.Tensor] | None = None
+                 draft_probs: torch.Tensor | Callable[[], torch.Tensor] | None = None, context: Any = None,
+                 sd_ok: torch.Tensor | Callable[[], torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The classifier's inputs for ``g`` draft tokens, from one target forward over [last, d_1 .. d_g].
 
@@ -92,12 +120,15 @@ def model_inputs(kind: str, hidden_rows: torch.Tensor | None, target_probs: torc
     probabilities suffice). The hidden state is read at d_i's OWN row (i, where d_i is the input token: it
     has seen d_i, so two draft tokens at one position differ); entropy and p(d_i) come from row i - 1, the
     distribution that predicts d_i. ``draft_probs`` ([g, V], or a function building them) is read only by
-    classifier types that use the draft's scalars, so other types never pay for it.
+    classifier types that use the draft's scalars, so other types never pay for it; ``context`` and ``sd_ok``
+    (the lossless decisions, or a function giving them) only by ``context`` classifiers.
     """
     g = draft_tokens.shape[0]
     h = hidden_rows[1: g + 1] if hidden_rows is not None else None
-    q = draft_probs() if callable(draft_probs) and n_scalars(kind) == 4 else draft_probs
-    s = scalar_features(kind, target_probs[:g], draft_tokens, q[:g] if n_scalars(kind) == 4 else None)
+    q = draft_probs() if callable(draft_probs) and kind == "extended" else draft_probs
+    s = scalar_features(kind, target_probs[:g], draft_tokens, q[:g] if kind == "extended" else None)
+    if kind == "context":
+        s = torch.cat([s, context_features(context, sd_ok() if callable(sd_ok) else sd_ok).to(s.dtype)], dim=-1)
     return h, s
 
 
@@ -212,7 +243,7 @@ def as_policy_classifier(net: PivotNet) -> Callable[[Any], torch.Tensor]:
     """The PAD policy's classifier: reads a verification step (``acceptance.Verification``)."""
 
     def classify(v: Any) -> torch.Tensor:
-        h, s = model_inputs(net.kind, v.hidden, v.p_raw, v.draft_tokens, lambda: v.q_raw)
+        h, s = model_inputs(net.kind, v.hidden, v.p_raw, v.draft_tokens, lambda: v.q_raw, v.context, lambda: v.sd_ok)
         return pivot_scores(net, h, s)
 
     return classify

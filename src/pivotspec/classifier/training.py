@@ -52,6 +52,8 @@ class Filters:
 
 def inputs(kind: str, feats: dict[str, torch.Tensor], mask: torch.Tensor) -> tuple:
     """(hidden, scalars) rows of ``mask`` for a ``kind`` classifier."""
+    if kind == "context":
+        return feats["hidden"][mask], torch.cat([feats["scalars"][mask][:, :2], feats["context"][mask]], dim=-1)
     k = clf.n_scalars(kind)
     return feats["hidden"][mask], (feats["scalars"][mask][:, :k] if k else None)
 
@@ -165,7 +167,8 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
     config = {
         "type": kind, "layer": resolved, "layer_arg": layer, "feature_row": clf.FEATURE_ROW, "d_model": target.d_model,
         "features": ["hidden@draft_token"] + (["target_entropy", "target_prob_d"] if clf.n_scalars(kind) else [])
-        + (["draft_entropy", "draft_prob_d"] if kind == "extended" else []),
+        + (["draft_entropy", "draft_prob_d"] if kind == "extended" else [])
+        + (["log1p_overrides", "override_share", "log1p_since_override"] if kind == "context" else []),
         "target": model_identity(target), "sigma": sigma, "target_recall": target_recall,
         "labels": {**({"file": labels.name, "sha256_16": cache_key} if isinstance(labels, Path) else
                       {"files": [f.name for f in labels], "sha256_16": cache_key.split("+")}),

@@ -22,16 +22,35 @@ from pivotspec.errors import UsageError
 Classifier = Callable[["Verification"], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Context:
+    """How much of the answer so far the draft wrote against the lossless rule, before a step: tokens
+    generated, overrides among them (kept drafts SD rejected), and tokens since the last override (or since
+    the answer began). Context-aware classifiers (issue 30, item 5) read it; the decoding loops and the
+    labeling walk build it the same way, from where each kept token came from."""
+
+    generated: int = 0
+    overrides: int = 0
+    since_override: int = 0
+
+    @staticmethod
+    def of(sources: list[str]) -> Context:
+        """From the sources of the answer's tokens so far ("override" marks an override)."""
+        last = max((i for i, s in enumerate(sources) if s == "override"), default=-1)
+        return Context(len(sources), sources.count("override"), len(sources) - 1 - last)
+
+
 class Verification:
     """Everything one verification step knows about the ``g`` draft tokens it checks.
 
     Distributions are computed from the logits on first use: greedy lossless SD only needs argmaxes,
-    so it never pays for a softmax over the vocabulary.
+    so it never pays for a softmax over the vocabulary. ``context`` is the answer's state before the step.
     """
 
     def __init__(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor,
                  draft_logits: torch.Tensor | Callable[[], torch.Tensor], cfg: SamplingConfig,
-                 hidden: torch.Tensor | None = None, q: torch.Tensor | None = None, u: torch.Tensor | None = None):
+                 hidden: torch.Tensor | None = None, q: torch.Tensor | None = None, u: torch.Tensor | None = None,
+                 context: Context | None = None):
         self.draft_tokens = draft_tokens  # [g] token ids
         self.target_logits = target_logits  # [g + 1, V]
         self._draft_logits = draft_logits  # [g, V], or a function that builds them on first use
@@ -40,6 +59,7 @@ class Verification:
         if q is not None:
             self.__dict__["q"] = q  # the sampler already computed the draft distributions
         self.u = u  # sampling: [g] uniforms, one per draft token, that SD compares p/q against
+        self.context = context
 
     @cached_property
     def sd_ok(self) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pivotspec.decoding.acceptance import Lossless, for_answer
+from pivotspec.decoding.acceptance import Context, Lossless, for_answer
 from pivotspec.decoding.drafting import Proposal, fit_vocab
 from pivotspec.decoding.loop import (
     Generation,
@@ -58,6 +58,9 @@ class Request:
     speculate: bool = True
     method: str = "sd"  # the name it was asked for (ar, draft, sd, pad or a baseline spec); "draft": see ``Row``
     on_step: Callable[[list[tuple[int, str]]], bool] | None = None
+    # where the prompt ends inside an answer (a rollout continuing a labeling walk): the sources of that answer's
+    # tokens so far, so that a context classifier sees the whole answer
+    sources: list[str] = field(default_factory=list)
 
 
 class Row:
@@ -188,7 +191,9 @@ class Batch:
         v, n_kept = None, 0
         if drafts:
             start = time.perf_counter()
-            v, kept = verify(proposal, logits, hidden.get(row.policy.hidden_layer), row.policy, cfg, row.generator)
+            context = Context.of(row.request.sources + [source for _, source in row.trace])
+            v, kept = verify(proposal, logits, hidden.get(row.policy.hidden_layer), row.policy, cfg, row.generator,
+                             context)
             stats["policy_s"] += time.perf_counter() - start
             n_kept = int(kept.long().cumprod(0).sum())
         last = next_token(logits, v, n_kept, cfg, row.generator, residual)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pivotspec.decoding.acceptance import Lossless, Verification, for_answer
+from pivotspec.decoding.acceptance import Context, Lossless, Verification, for_answer
 from pivotspec.decoding.drafting import Proposal, fit_vocab, propose
 from pivotspec.decoding.models import LM
 from pivotspec.decoding.sampling import SamplingConfig, argmax, logits_to_probs, residual, sample
@@ -102,12 +102,13 @@ def prefill(models: list[LM], prompt_ids: list[int]) -> None:
 
 
 def verify(proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor | None, policy: Any,
-           cfg: SamplingConfig, generator: torch.Generator) -> tuple[Verification, torch.Tensor]:
+           cfg: SamplingConfig, generator: torch.Generator, context: Context) -> tuple[Verification, torch.Tensor]:
     """The verification of one step's drafts and which of them are kept (``sd_ok | override``, as a bool
-    mask over the drafts; the caller keeps its longest all-True prefix)."""
+    mask over the drafts; the caller keeps its longest all-True prefix). ``context``: the answer so far, for
+    context-aware classifiers."""
     d = torch.tensor(proposal.tokens, device=logits.device)
     u = None if cfg.greedy else torch.rand(len(d), generator=generator, device=logits.device)
-    v = Verification(d, logits, proposal.full_logits, cfg, hidden, q=proposal.q, u=u)
+    v = Verification(d, logits, proposal.full_logits, cfg, hidden, q=proposal.q, u=u, context=context)
     return v, v.sd_ok | (policy.override(v) & ~v.sd_ok)
 
 
@@ -187,7 +188,7 @@ def generate(
 
         v, n_kept = None, 0
         if drafts:
-            v, kept = verify(proposal, logits, hidden, policy, cfg, generator)
+            v, kept = verify(proposal, logits, hidden, policy, cfg, generator, Context.of([s for _, s in trace]))
             stats["policy_s"] += time.perf_counter() - t2
             n_kept = int(kept.long().cumprod(0).sum())
         last = next_token(logits, v, n_kept, cfg, generator, residual_fn)

@@ -24,7 +24,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,13 +44,17 @@ class RolloutRequest:
     """Continuations wanted after ``prefix``: one per entry of ``first_tokens`` (each starts with it), at
     most ``max_tokens`` tokens each, ending at the first stop id. ``generator`` draws this request's samples
     alone, so what a request gets does not depend on what it is batched with (up to float rounding).
-    ``cache``, if given, is a KV cache holding exactly ``prefix`` (a walk's own; read, never changed)."""
+    ``cache``, if given, is a KV cache holding exactly ``prefix`` (a walk's own; read, never changed).
+    ``sources`` (the walk's answer so far, per token "override" or not) and ``draft_token`` (a first token
+    equal to it is an override) give a policy's context-aware classifier the whole answer."""
 
     prefix: list[int]
     first_tokens: list[int]
     generator: torch.Generator
     max_tokens: int
     cache: Any = None
+    sources: list[str] = field(default_factory=list)
+    draft_token: int | None = None
 
 
 class RolloutEngine(Protocol):
@@ -220,8 +224,10 @@ class PolicyEngine:
             for j, (t, seed) in enumerate(zip(r.first_tokens, seeds, strict=True)):
                 if t in stop_ids or r.max_tokens <= 1:
                     continue
+                first = "override" if t == r.draft_token else "target"
                 rows.append(Request(r.prefix + [t], policy=self.policy, cfg=cfg, gamma=self.gamma,
-                                    max_new_tokens=r.max_tokens - 1, eos_ids=stop_ids, seed=seed, method="pad"))
+                                    max_new_tokens=r.max_tokens - 1, eos_ids=stop_ids, seed=seed, method="pad",
+                                    sources=r.sources + [first]))
                 where.append((k, j))
         outs = [[[t] for t in r.first_tokens] for r in requests]
         # Rows of one request are added together and share its prefix's prefill.

@@ -14,7 +14,6 @@ together with the overrides the policy goes on to make after it.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -25,7 +24,7 @@ from typing import Any
 import torch
 
 from pivotspec.decoding.models import LM, eos_ids
-from pivotspec.decoding.sampling import SamplingConfig, argmax
+from pivotspec.decoding.sampling import SamplingConfig, argmax, derive_seed
 from pivotspec.errors import UsageError
 from pivotspec.labels.rollouts import ENGINES, PolicyEngine, RolloutEngine, RolloutRequest, make_engine
 from pivotspec.store import append_record, open_for_append, read_records
@@ -99,8 +98,7 @@ def is_pivot(u_acc: float, u_rej: float, mode: str, alpha: float) -> bool:
 
 def seeded_generator(*parts: object, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator seeded from stable parts (seed, problem, step), so a resumed run samples the same."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.Generator(device=device).manual_seed(derive_seed(*parts))
 
 
 def success_rates(task: Task, problem: Problem, tokenizer: Any, generated: list[int], conts: list[list[int]],
@@ -168,6 +166,7 @@ def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Label
         if rate <= cfg.min_target_rate:
             return {**summary, "status": "skipped", "candidates": 0}
     generated: list[int] = []
+    sources: list[str] = []  # "override" where the walk kept d against the target (a context classifier reads it)
     n_candidates = 0
     target.reset()
     draft.reset()
@@ -179,7 +178,7 @@ def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Label
         nxt = t
         if d != t:
             step = len(generated)
-            kept = policy_keeps(policy, target, draft, seq, d, d_logits) if policy is not None else None
+            kept = policy_keeps(policy, target, draft, seq, d, d_logits, sources) if policy is not None else None
             rec = known.get(step)
             if rec is not None and (rec["prefix_ids"] != seq or rec["d"] != d or rec["t"] != t):
                 # The walk is deterministic, so this means the models or the file changed since that record.
@@ -192,7 +191,7 @@ def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Label
                 # Without a policy the target's cache holds exactly seq here: the rollouts start from it without a
                 # recompute (the policy engine prefills its own batch).
                 conts = yield RolloutRequest(seq, [d] * n + [t] * n, gen, cfg.max_rollout_tokens,
-                                             target.cache if policy is None else None)
+                                             target.cache if policy is None else None, list(sources), d)
                 u_acc, u_rej, scores = success_rates(task, problem, target.tokenizer, generated, conts, n)
                 label = is_pivot(u_acc, u_rej, cfg.mode, cfg.alpha)
                 rec = {"type": "candidate", "problem_id": problem.id, "step": step, "prefix_ids": seq,
@@ -211,20 +210,24 @@ def walk_problem(target: LM, draft: LM, task: Task, problem: Problem, cfg: Label
             else:
                 nxt = t if rec["label"] or cfg.follow == "target" else d
         generated.append(nxt)
+        sources.append("override" if nxt != t else "target")
         if nxt in stop_ids:
             break
     return {**summary, "status": "done", "candidates": n_candidates, "walk_tokens": len(generated)}
 
 
-def policy_keeps(policy: Any, target: LM, draft: LM, seq: list[int], d: int, d_logits: torch.Tensor) -> bool:
+def policy_keeps(policy: Any, target: LM, draft: LM, seq: list[int], d: int, d_logits: torch.Tensor,
+                 sources: list[str]) -> bool:
     """Would ``policy`` keep draft token d after ``seq`` where SD rejects it? Asked as a PAD step asks: one
-    verification of [d] from the target's rows of [last token, d] (hidden states too) and the draft's logits."""
-    from pivotspec.decoding.acceptance import Verification
+    verification of [d] from the target's rows of [last token, d] (hidden states too) and the draft's logits,
+    with the answer's ``sources`` so far as its context."""
+    from pivotspec.decoding.acceptance import Context, Verification
     from pivotspec.decoding.drafting import fit_vocab
 
     logits, hidden = target.advance(seq + [d], keep_logits=2, hidden_layer=policy.hidden_layer)
     q_logits = fit_vocab(draft.full_vocab(d_logits), target.vocab_size)
-    v = Verification(torch.tensor([d], device=logits.device), logits, q_logits, SamplingConfig(), hidden)
+    v = Verification(torch.tensor([d], device=logits.device), logits, q_logits, SamplingConfig(), hidden,
+                     context=Context.of(sources))
     return bool(policy.override(v)[0]) and not bool(v.sd_ok[0])
 
 

@@ -89,6 +89,10 @@ def engine_settings(method: str, draft_dir: Path | None, gamma: int, classifier:
         raise UsageError("--method pad needs a pivot classifier: pass --classifier DIR")
     if classifier.startswith("const:"):
         raise UsageError("the vLLM engine runs trained classifiers only: pass --classifier DIR")
+    config = Path(classifier) / "classifier.json"
+    if config.is_file() and json.loads(config.read_text()).get("type") == "context":
+        raise UsageError("the vLLM plugin does not track each answer's overrides, which a context classifier reads: "
+                         "use --engine torch for it")
     pad = {"classifier": str(Path(classifier).resolve()), "sigma": sigma, "p_floor": p_floor, "counters": counts}
     return {"speculative_config": spec}, {ENV: json.dumps(pad)}
 
