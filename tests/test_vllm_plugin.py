@@ -105,6 +105,12 @@ def test_engine_settings_per_method(tmp_path):
         draft = kwargs.pop("draft", tmp_path)
         with pytest.raises(UsageError, match=words):
             engine_settings(method, draft, 5, **kwargs)
+    context = tmp_path / "ctx"  # a context classifier reads each answer's overrides, which vLLM does not track
+    context.mkdir()
+    (context / "classifier.json").write_text(json.dumps({"type": "context"}))
+    with pytest.raises(UsageError, match="use --engine torch") as err:
+        engine_settings("pad", tmp_path, 5, classifier=str(context))
+    assert "\n" not in str(err.value)
 
 
 def test_another_vllm_version_is_refused_in_one_line(tmp_path):

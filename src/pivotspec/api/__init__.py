@@ -66,9 +66,11 @@ from pivotspec.classifier.model import TYPES as CLASSIFIER_TYPES
 from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR
 from pivotspec.decoding.export import full_vocab_checkpoint
 from pivotspec.decoding.loop import METHODS, Generation
+from pivotspec.decoding.sampling import derive_seed
 from pivotspec.evaluation.runs import EvalSettings, MethodSpec
 
 __all__ = [
+    "derive_seed",
     "CLASSIFIER_TYPES",
     "DEFAULT_P_FLOOR",
     "ENGINES",
