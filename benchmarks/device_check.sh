@@ -9,8 +9,10 @@
 #       wheels into /tmp/site, builds SmolLM2-shaped random weights (benchmarks/device_models.py: speed only,
 #       acceptance means nothing), then `tests` (the suite on CUDA without what needs the real models) and/or
 #       `bench` (decode_speed, batch_throughput, serve_batching with the builtin client: guidellm's wheels do
-#       not fit beside the repository). Two phases, so each call stays well inside 10 minutes; a warm machine
-#       keeps /tmp between back-to-back calls.
+#       not fit beside the repository), and/or `vllm` (the plugin's tests, where the image has vLLM 0.32.0: the
+#       lent image has no vLLM and nothing can install it there, no network and 64 MiB per call against vLLM's
+#       ~500 MB, so there it prints "skipped"). Separate phases, so each call stays well inside 10 minutes; a
+#       warm machine keeps /tmp between back-to-back calls.
 #   DEVICE=cpu QUICK=1 PY=.venv/bin/python bash benchmarks/device_check.sh all /tmp/dry    the dry run here:
 #       the same commands on the CPU with smaller sizes.
 # Writes OUT/device_check.txt (what it saw) and the benchmarks' JSON files into OUT (default $OUT, else
@@ -40,7 +42,7 @@ if [ "$phase" = prepare ]; then
   [ "$total" -le $((64 * 1048576)) ] || { echo "over 64 MiB: nothing would travel" >&2; exit 1; }
   exit 0
 fi
-case "$phase" in tests|bench|all) ;; *) echo "usage: device_check.sh [prepare|tests|bench|all] [OUT]" >&2; exit 2 ;; esac
+case "$phase" in tests|bench|vllm|all) ;; *) echo "usage: device_check.sh [prepare|tests|bench|vllm|all] [OUT]" >&2; exit 2 ;; esac
 out=${2:-${OUT:-benchmarks/results/device_check}}
 mkdir -p "$out"
 py=${PY:-python3}
@@ -65,7 +67,7 @@ from pivotspec import api
 for name in ('testbed-target', 'testbed-draft'):
     lm = api.load_model(name, device='$device')
     print(name, lm.device, lm.model.dtype)"
-  if [ "$phase" != bench ]; then
+  if [ "$phase" = tests ] || [ "$phase" = all ]; then
     echo "--- tests on $device (tiny random checkpoints; what needs the real models is left out)"
     files="tests/test_batch.py tests/test_sampling.py tests/test_architectures.py tests/test_decoding.py"
     [ "$quick" = 1 ] && files="tests/test_batch.py tests/test_architectures.py"
@@ -74,7 +76,7 @@ for name in ('testbed-target', 'testbed-draft'):
         -n "${WORKERS:-8}" -k "not testbed and not smollm2" $files 2>&1 | tail -15
     echo "tests exit: ${PIPESTATUS[0]}"
   fi
-  if [ "$phase" != tests ]; then
+  if [ "$phase" = bench ] || [ "$phase" = all ]; then
     n=$([ "$quick" = 1 ] && echo 4 || echo 32)
     echo "--- decode_speed on $device (testbed pair on random SmolLM2 weights, $dtype: speed only)"
     timeout 180 "$py" benchmarks/decode_speed.py --device "$device" --target testbed-target --draft testbed-draft \
@@ -93,16 +95,18 @@ for name in ('testbed-target', 'testbed-draft'):
         --out "$out/serve_batching.json" 2>&1 | tail -10
     echo "serve_batching exit: ${PIPESTATUS[0]} (124: timed out)"
   fi
-  echo "--- PAD inside vLLM (issue 31): the plugin's tests, when the image has vLLM $(
+  [ "$phase" = vllm ] || [ "$phase" = all ] && echo "--- PAD inside vLLM (issue 31): the plugin's tests, when the image has vLLM $(
     "$py" -c "from pivotspec.integrations.vllm.patches import SUPPORTED_VLLM as v; print(v)" 2>/dev/null)"
-  if "$py" -c "import vllm, sys; from pivotspec.integrations.vllm.patches import SUPPORTED_VLLM as v;
+  if { [ "$phase" = vllm ] || [ "$phase" = all ]; } && "$py" -c "import vllm, sys; from pivotspec.integrations.vllm.patches import SUPPORTED_VLLM as v;
 sys.exit(vllm.__version__ != v)" 2>/dev/null; then
     # vLLM finds the plugin by its entry point, which only an installed pivotspec has
     "$py" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+    # eager (no CUDA-graph capture in a 5-minute budget), and room for the test's two engines side by side
+    PIVOTSPEC_VLLM_ARGS=${PIVOTSPEC_VLLM_ARGS:-'{"enforce_eager": true, "gpu_memory_utilization": 0.3}'} \
     PIVOTSPEC_VLLM_PYTHON=$(command -v "$py") timeout 300 "$py" -m pytest -q -rfEs -p no:cacheprovider -n 0 \
         tests/test_vllm_plugin.py 2>&1 | tail -8
     echo "vllm plugin tests exit: ${PIPESTATUS[0]}"
-  else
+  elif [ "$phase" = vllm ] || [ "$phase" = all ]; then
     echo "skipped: $("$py" -c "import vllm; print('vLLM', vllm.__version__)" 2>&1 | tail -1) (the plugin pins one version)"
   fi
 } 2>&1 | tee "$out/device_check.txt"
