@@ -28,11 +28,10 @@ import torch
 from pivotspec import api
 from pivotspec.classifier import features, metrics
 from pivotspec.classifier import model as clf
-from pivotspec.classifier.training import Filters, check_labels_target, fit_with_sweep, inputs
+from pivotspec.classifier.training import Filters, fit_with_sweep, inputs, read_label_files
 from pivotspec.cli.classifier import add_filter_args
 from pivotspec.decoding.models import PAIRS
 from pivotspec.evaluation.reports import fmt
-from pivotspec.store import read_records
 
 
 def fold_of(groups: torch.Tensor, folds: int, seed: int) -> torch.Tensor:
@@ -83,6 +82,23 @@ def summarise(scores: dict[str, torch.Tensor], y: torch.Tensor, fold: torch.Tens
     return out
 
 
+def paired_difference(a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, groups: torch.Tensor, seed: int,
+                      resamples: int = 1000) -> dict:
+    """Pooled out-of-fold AUROC of ``a`` minus ``b`` on the same rows, with a 95% percentile interval from
+    resampling whole problems (rows of one problem are not independent)."""
+    ids = torch.unique(groups)
+    rows = [torch.nonzero(groups == i).flatten() for i in ids]
+    gen = torch.Generator().manual_seed(seed)
+    diffs = []
+    for _ in range(resamples):
+        pick = torch.cat([rows[i] for i in torch.randint(0, len(ids), (len(ids),), generator=gen).tolist()])
+        if 0 < int(y[pick].sum()) < len(pick):
+            diffs.append(metrics.auroc(a[pick], y[pick]) - metrics.auroc(b[pick], y[pick]))
+    diffs.sort()
+    return {"diff": metrics.auroc(a, y) - metrics.auroc(b, y), "resamples": len(diffs),
+            "ci95": [diffs[int(0.025 * len(diffs))], diffs[min(len(diffs) - 1, int(0.975 * len(diffs)))]]}
+
+
 def is_number(tokenizer, records: list[dict]) -> torch.Tensor:
     """Per candidate (in ``features.candidates`` order): does the draft token d hold a digit?"""
     return torch.tensor([any(ch.isdigit() for ch in tokenizer.decode([r["d"]])) for r in features.candidates(records)])
@@ -91,14 +107,15 @@ def is_number(tokenizer, records: list[dict]) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="testbed", choices=sorted(PAIRS))
-    ap.add_argument("--labels", type=Path, required=True)
+    ap.add_argument("--labels", type=Path, nargs="+", required=True,
+                    help="labels file(s); several (rounds) are one set, a problem in one fold across them")
     ap.add_argument("--layers", default="-8", help="comma-separated hidden_states indices (default -8)")
     ap.add_argument("--types", default="extended_v2,mlp", help=f"classifier types, from {', '.join(clf.TYPES)}")
     ap.add_argument("--folds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, help="JSON (default benchmarks/results/classifier_cv-<labels stem>.json)")
+    ap.add_argument("--out", type=Path, help="JSON (default benchmarks/results/classifier_cv-<labels stems>.json)")
     add_filter_args(ap)
     args = ap.parse_args()
     # Scored: every candidate (with U_rej > 0 unless --keep-unsolvable); trained on: those the filters keep.
@@ -107,11 +124,10 @@ def main() -> None:
     if "extended" in kinds:
         raise SystemExit("classifier_cv: 'extended' needs draft scalars; compare extended_v2, mlp and linear")
     target = api.load_pair(pair=args.pair, threads=args.threads).target
-    records = read_records(args.labels, repair=False)
-    check_labels_target(records, target, args.labels)
-    key = features.file_hash(args.labels)
-    out = args.out or Path("benchmarks/results") / f"classifier_cv-{args.labels.stem}.json"
-    result = {"labels": str(args.labels), "folds": args.folds, "seed": args.seed,
+    records, key = read_label_files(args.labels if len(args.labels) > 1 else args.labels[0], target)
+    stems = "+".join(f.stem for f in args.labels)
+    out = args.out or Path("benchmarks/results") / f"classifier_cv-{stems}.json"
+    result = {"labels": [str(f) for f in args.labels], "folds": args.folds, "seed": args.seed,
               "train_filters": {"pivot_max_u_acc": args.pivot_max_u_acc, "nonpivot_min_u_acc": args.nonpivot_min_u_acc},
               "layers": {}}
     for layer in [int(x) for x in args.layers.split(",")]:
@@ -133,11 +149,15 @@ def main() -> None:
                   f"({result['number_pivots']} pivots)")
             print("| layer | classifier | out-of-fold AUROC (pooled) | per fold: mean +- sd | within number tokens | "
                   "within word tokens |\n|---|---|---|---|---|---|")
-        result["layers"][layer] = {**summary, "seconds": time.perf_counter() - t0}
+        paired = {k: paired_difference(scores[k], scores[kinds[0]], y, feats["group"], args.seed) for k in kinds[1:]}
+        result["layers"][layer] = {**summary, "paired_vs_" + kinds[0]: paired, "seconds": time.perf_counter() - t0}
         for name, s in summary.items():
             within = " | ".join(fmt(s[f"{k}_auroc"], ".3f") for k in ("number", "word"))
             print(f"| {layer} | {name} | {s['pooled_auroc']:.3f} | {s['fold_mean']:.3f} +- {s['fold_sd']:.3f} | "
                   f"{within} |", flush=True)
+        for name, d in paired.items():
+            print(f"layer {layer}: {name} - {kinds[0]} pooled AUROC {d['diff']:+.4f}, 95% interval over problems "
+                  f"[{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] ({d['resamples']} resamples)", flush=True)
         out.write_text(json.dumps(result, indent=1))  # after every layer, so a stopped run keeps what it did
 
 

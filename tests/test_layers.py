@@ -126,7 +126,7 @@ COMPONENT_STUDIES = {
                         {"pivotspec.decoding.fastpath", "pivotspec.decoding.models"}),
     "classifier_cv.py": ("the classifier's training internals: out-of-fold AUROC per layer and type",
                          {"pivotspec.classifier", "pivotspec.cli.classifier", "pivotspec.decoding.models",
-                          "pivotspec.evaluation.reports", "pivotspec.store"}),
+                          "pivotspec.evaluation.reports"}),
 }
 
 
