@@ -2,6 +2,8 @@
 
     python benchmarks/step_errors.py --pair testbed-hard     # reads pad_vs_sd-testbed-hard/results.jsonl
     python benchmarks/step_errors.py --pair testbed          # needs the testbed run's local results.jsonl
+    python benchmarks/step_errors.py --runs benchmarks/results/budget_frontier/test-base \
+        benchmarks/results/budget_frontier/test-r1-union-179 --name frontier    # any eval runs' rows
 
 Reads the rows `benchmarks/pad_vs_sd.py` stored (each with its token trace: which tokens the target wrote,
 which drafts it kept, which rejected drafts a relaxed rule kept anyway, "override") and, per method, finds
@@ -103,10 +105,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="testbed-hard", help="testbed or testbed-hard (which pad_vs_sd run)")
     ap.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--runs", type=Path, nargs="+", help="eval run directories to read instead (one holds ar); "
+                    "a method of any but the first is named after its directory, e.g. test-r0:pad@0.1")
+    ap.add_argument("--name", help="the JSON is step_errors-<name>.json (default: the pair)")
     args = ap.parse_args()
-    name = "pad_vs_sd" if args.pair == "testbed" else f"pad_vs_sd-{args.pair}"
-    path = args.results / name / "results.jsonl"
-    rows = api.read_results(path)
+    if args.runs:
+        rows = []
+        for k, run in enumerate(args.runs):
+            rows += [r if k == 0 else {**r, "method": f"{run.name}:{r['method']}"}
+                     for r in api.read_results(run / "results.jsonl")]
+        path = ", ".join(map(str, args.runs))
+    else:
+        name = "pad_vs_sd" if args.pair == "testbed" else f"pad_vs_sd-{args.pair}"
+        path = args.results / name / "results.jsonl"
+        rows = api.read_results(path)
     if not rows:
         raise SystemExit(f"no rows in {path}: run `python benchmarks/pad_vs_sd.py --pair {args.pair}` first")
     by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -131,7 +143,7 @@ def main() -> None:
               f"{r['overrides_per_problem']:.1f} | {r['numeric_overrides']} | {r['mean_new_tokens']:.1f} | "
               f"{r['steps_per_problem']:.2f} | {pct(r['step_error_rate'])} | "
               f"{pct(r['step_error_rate_after_first_override'])} | {r['wrong_results_containing_an_override']} |")
-    out = args.results / f"step_errors-{args.pair}.json"
+    out = args.results / f"step_errors-{args.name or args.pair}.json"
     out.write_text(json.dumps({"source": str(path), "problems": len(done), "methods": report}, indent=1) + "\n")
     print(f"wrote {out}")
 
