@@ -212,3 +212,21 @@ def test_sampled_eval_seeds_each_problem_on_its_own(tiny_dir, tmp_path, capsys):
         runs[b] = {(r["problem_id"], r["method"]): r["completion"] for r in read_records(out / "results.jsonl")}
     assert runs["1"] == runs["4"]
     assert len({c for (_, m), c in runs["1"].items() if m == "ar"}) > 1
+
+
+def test_a_compressed_run_is_read_and_resumed(tiny_dir, data, tmp_path, capsys):
+    """Finished rows kept as results.jsonl.gz (gzip -9n, as the repository keeps them): read as they are, and
+    rerunning the command restores the plain file and decodes nothing again."""
+    import gzip
+
+    from pivotspec import api
+
+    out = tmp_path / "run"
+    assert main(eval_args(tiny_dir, data, out)) == 0
+    plain = out / "results.jsonl"
+    rows = read_records(plain)
+    (out / "results.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
+    assert api.read_results(plain) == rows
+    assert main(eval_args(tiny_dir, data, out)) == 0
+    assert read_records(plain) == rows and not (out / "results.jsonl.gz").exists()

@@ -2,10 +2,15 @@
 
 A process killed mid-write leaves at most a truncated last line; ``read_records`` drops it (with a
 warning) and cuts the file back to the last complete record, so a rerun appends cleanly after it.
+
+A finished file may be stored compressed beside its name (``results.jsonl.gz``, made with ``gzip -9n``: the
+benchmark rows kept in the repository are, so the tracked tree fits a device call): ``read_records`` reads it
+when the plain file is absent, and ``open_for_append`` restores the plain file first, so a rerun resumes.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -17,14 +22,36 @@ from typing import Any, TextIO
 from pivotspec.errors import UsageError
 
 
+def compressed(path: Path) -> Path:
+    """Where ``path`` is kept compressed."""
+    return path.with_name(path.name + ".gz")
+
+
+def restore(path: Path) -> None:
+    """Put back the plain file of a compressed one (no-op when the plain file exists or none is compressed)."""
+    gz = compressed(path)
+    if path.exists() or not gz.is_file():
+        return
+    tmp = path.with_name(f"{path.name}.restoring-{os.getpid()}")
+    tmp.write_bytes(gzip.decompress(gz.read_bytes()))
+    tmp.replace(path)
+    gz.unlink(missing_ok=True)
+
+
 def read_records(path: Path, repair: bool = True) -> list[dict[str, Any]]:
-    """All complete records of ``path`` ([] if it does not exist). A malformed line before the last is
-    a UsageError: that file was not written by us or was edited by hand."""
+    """All complete records of ``path``, or of its compressed copy when only that exists ([] if neither does).
+    A malformed line before the last is a UsageError: that file was not written by us or was edited by hand."""
     if not path.exists():
+        if compressed(path).is_file():
+            return parse_records(gzip.decompress(compressed(path).read_bytes()), compressed(path), repair=False)
         return []
     if not path.is_file():
         raise UsageError(f"{path} is not a file: give a JSONL file path")
-    data = path.read_bytes()
+    return parse_records(path.read_bytes(), path, repair)
+
+
+def parse_records(data: bytes, path: Path, repair: bool) -> list[dict[str, Any]]:
+    """The records in ``data`` (the bytes of ``path``); ``repair`` cuts a torn last line off ``path``."""
     records, offset = [], 0
     lines = data.split(b"\n")
     for n, line in enumerate(lines, 1):
@@ -68,6 +95,7 @@ def open_for_append(path: Path, overwrite: bool = False) -> Iterator[TextIO]:
     comes before anything reads the file, so a second run cannot cut the first's half-written last line
     while checking what is there."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    restore(path)
     with path.open("a") as fh:
         lock_for_append(fh, path)
         if overwrite:
