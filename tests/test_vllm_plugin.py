@@ -202,27 +202,6 @@ def test_greedy_pad_in_vllm_equals_pivotspec_and_sigma_0_is_vllm_lossless(vllm_p
     assert [g.token_ids for g in pad] == [f + g.token_ids for f, g in zip(firsts, ref_pad, strict=True)]
 
 
-@pytest.mark.slow(seconds=60)  # one more vLLM engine: the target alone
-@needs_vllm
-def test_greedy_ar_in_vllm_equals_pivotspec():
-    """Method ar, 20 arith problems, greedy: vLLM's tokens are pivotspec's, prefill token included."""
-    import os
-
-    from pivotspec import api
-
-    os.environ.setdefault("PIVOTSPEC_VLLM_ARGS", '{"enforce_eager": true}')
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    pair = api.load_pair(pair="testbed", dtype="float32")
-    prompts, stop = arith_prompts(pair), api.stop_ids(pair.target)
-    decoder = api.vllm_decoder(pair, "ar")
-    try:
-        got = decoder.decode_many(prompts, SamplingConfig(), 128, stop)
-    finally:
-        decoder.close()
-    ref = api.generate_many(pair, prompts, method="ar", max_new_tokens=128, batch_size=10)
-    assert [g.token_ids for g in got] == [g.token_ids for g in ref]
-
-
 @pytest.mark.slow(seconds=90)
 @needs_vllm
 def test_sampled_override_rate_matches_pivotspec_within_binomial_noise(vllm_pad):
@@ -236,7 +215,7 @@ def test_sampled_override_rate_matches_pivotspec_within_binomial_noise(vllm_pad)
     from pivotspec import api
 
     pair, decoder = vllm_pad
-    prompts, stop = arith_prompts(pair, 60), api.stop_ids(pair.target)
+    prompts, stop = arith_prompts(pair, 40), api.stop_ids(pair.target)
     sigma = 0.95  # loose, so that overrides are many and the comparison has power
     gens = decoder.decode_many(prompts, SamplingConfig(0.7), 64, stop, sigma=sigma)
     v_over, v_drafted = gens[0].stats["override"], gens[0].stats["drafted"]
@@ -262,56 +241,3 @@ def test_torch_expand_is_vllm_s_expand():
         [0.7, 0.7, 1.0, 1.0, 1.0])
     assert torch_expand(torch.tensor([5, 7, 9]), cu, 5).tolist() == [5, 5, 9, 9, 9]
 
-
-@pytest.mark.slow(seconds=120)  # starts vLLM's own OpenAI server with the plugin
-@needs_vllm
-def test_serve_engine_vllm_answers_openai_requests_with_pad(tmp_path):
-    """`pivotspec serve --engine vllm`: vLLM's OpenAI server answers greedy completions whose tokens are
-    pivotspec's PAD tokens (after vLLM's prefill token, as above), and its /metrics carries pivotspec's override
-    counter beside vLLM's speculative-decoding counters."""
-    import os
-    import socket
-    import sys
-    import time
-    import urllib.request
-
-    from pivotspec import api
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (open for the server's lifetime)
-    proc = subprocess.Popen([sys.executable, "-m", "pivotspec.cli", "serve", "--pair", "testbed", "--method", "pad",
-                             "--engine", "vllm", "--port", str(port), "--model-name", "testbed", "--",
-                             "--enforce-eager"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    try:
-        start = time.time()
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.time() - start < 600, "vLLM's server did not come up in 10 minutes"
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=5).read()
-                break
-            except OSError:
-                time.sleep(2)
-        pair = api.load_pair(pair="testbed", dtype="float32")
-        for ids in arith_prompts(pair, 3):
-            body = {"model": "testbed", "prompt": ids, "max_tokens": 48, "temperature": 0, "return_token_ids": True}
-            req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as resp:
-                got = json.loads(resp.read())["choices"][0]["token_ids"]
-            ref = api.generate(pair, prompt_ids=ids + got[:1], method="pad", policy=api.make_policy(pair, "pad"),
-                               max_new_tokens=47)
-            assert got == got[:1] + ref.token_ids
-        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-        assert "pivotspec:pad_overrides_total" in text and "vllm:spec_decode_num_draft_tokens" in text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
