@@ -37,6 +37,15 @@ def test_generate_json_has_documented_keys(tiny_dir, capsys, tmp_path):
         assert {e["source"] for e in obj["trace"]} <= {"accepted", "override", "corrected", "bonus", "target"}
 
 
+def test_sampled_prompts_file_rows_draw_their_own_numbers(tiny_dir, capsys, tmp_path):
+    """Four copies of one prompt at temperature 2 are four samples (one shared seed made them one)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w1 w2"}\n' * 4)
+    code, out, _ = run_cli(capsys, "generate", "--target", str(tiny_dir["llama_target"]), "--prompts-file",
+                           str(prompts), "--max-new-tokens", "16", "--temperature", "2.0", "--json")
+    assert code == 0 and len({json.loads(x)["text"] for x in out.splitlines()}) > 1
+
+
 def test_console_script_runs(tiny_dir):
     out = subprocess.run([sys.executable, "-m", "pivotspec.cli", "generate", "--target", str(tiny_dir["qwen3_target"]),
                           "--prompt", "w1 w2", "--max-new-tokens", "4"], capture_output=True, text=True, timeout=120)

@@ -95,7 +95,8 @@ def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> 
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1 = off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (and problem order for eval)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and problem order for eval); eval seeds each "
+                   "problem with derive_seed(seed, problem id), a --prompts-file prompt i with derive_seed(seed, i)")
     g.add_argument("--classifier", help="pivot classifier for --method pad: a directory from train-classifier, "
                    "or const:SCORE (a constant score, for ablations); with an embedded --pair its shipped one")
     g.add_argument("--sigma", type=float, default=None,

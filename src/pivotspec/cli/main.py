@@ -142,10 +142,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.engine == "vllm":
         return generate_in_vllm(args, pair, method, prompts)
     policy = api.make_policy(pair, method, **policy_args(args))
-    for item in prompts:
+    for i, item in enumerate(prompts):
+        # a prompts file's prompts draw their own numbers, as generate_many's rows do
+        seed = api.derive_seed(args.seed, i) if args.prompts_file else args.seed
         gen = api.generate(pair, item.get("prompt"), messages=item.get("messages"), method=method, policy=policy,
                            gamma=args.gamma, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat,
+                           top_k=args.top_k, top_p=args.top_p, seed=seed, stop=args.stop, chat=args.chat,
                            chat_template_kwargs=args.chat_template_kwargs)
         if args.json:
             print(json.dumps(generation_json(gen, pair.target.tokenizer)), flush=True)
