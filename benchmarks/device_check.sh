@@ -104,8 +104,12 @@ sys.exit(vllm.__version__ != v)" 2>/dev/null; then
     # eager (no CUDA-graph capture in a 5-minute budget), and room for the test's two engines side by side
     PIVOTSPEC_VLLM_ARGS=${PIVOTSPEC_VLLM_ARGS:-'{"enforce_eager": true, "gpu_memory_utilization": 0.3}'} \
     PIVOTSPEC_VLLM_PYTHON=$(command -v "$py") timeout 300 "$py" -m pytest -q -rfEs -p no:cacheprovider -n 0 \
-        tests/test_vllm_plugin.py tests/test_vllm_serving.py 2>&1 | tail -8
+        tests/test_vllm_plugin.py 2>&1 | tail -8
     echo "vllm plugin tests exit: ${PIPESTATUS[0]}"
+    PIVOTSPEC_VLLM_ARGS=${PIVOTSPEC_VLLM_ARGS:-'{"enforce_eager": true, "gpu_memory_utilization": 0.3}'} \
+    PIVOTSPEC_VLLM_PYTHON=$(command -v "$py") timeout 400 "$py" benchmarks/vllm_checks.py --out "$out/vllm_checks.json" \
+        2>&1 | tail -3
+    echo "vllm checks exit: ${PIPESTATUS[0]}"
   elif [ "$phase" = vllm ] || [ "$phase" = all ]; then
     echo "skipped: $("$py" -c "import vllm; print('vLLM', vllm.__version__)" 2>&1 | tail -1) (the plugin pins one version)"
   fi
