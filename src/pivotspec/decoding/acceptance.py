@@ -50,7 +50,7 @@ class Verification:
     def __init__(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor,
                  draft_logits: torch.Tensor | Callable[[], torch.Tensor], cfg: SamplingConfig,
                  hidden: torch.Tensor | None = None, q: torch.Tensor | None = None, u: torch.Tensor | None = None,
-                 context: Context | None = None):
+                 context: Context | Callable[[], Context] | None = None):
         self.draft_tokens = draft_tokens  # [g] token ids
         self.target_logits = target_logits  # [g + 1, V]
         self._draft_logits = draft_logits  # [g, V], or a function that builds them on first use
@@ -59,7 +59,7 @@ class Verification:
         if q is not None:
             self.__dict__["q"] = q  # the sampler already computed the draft distributions
         self.u = u  # sampling: [g] uniforms, one per draft token, that SD compares p/q against
-        self.context = context
+        self._context = context  # or a function building it on first use: only context classifiers read it
 
     @cached_property
     def sd_ok(self) -> torch.Tensor:
@@ -67,6 +67,11 @@ class Verification:
         if self.cfg.greedy:
             return argmax(self.target_logits[: self.draft_tokens.shape[0]]) == self.draft_tokens
         return self.u * self.draft_prob(self.q) <= self.draft_prob(self.p)
+
+    @cached_property
+    def context(self) -> Context | None:
+        """The answer's state before this step (``Context``), built on first use."""
+        return self._context() if callable(self._context) else self._context
 
     @cached_property
     def draft_logits(self) -> torch.Tensor:

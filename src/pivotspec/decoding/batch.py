@@ -191,7 +191,9 @@ class Batch:
         v, n_kept = None, 0
         if drafts:
             start = time.perf_counter()
-            context = Context.of(row.request.sources + [source for _, source in row.trace])
+            def context(row: Row = row) -> Context:
+                return Context.of(row.request.sources + [source for _, source in row.trace])
+
             v, kept = verify(proposal, logits, hidden.get(row.policy.hidden_layer), row.policy, cfg, row.generator,
                              context)
             stats["policy_s"] += time.perf_counter() - start

@@ -102,10 +102,11 @@ def prefill(models: list[LM], prompt_ids: list[int]) -> None:
 
 
 def verify(proposal: Proposal, logits: torch.Tensor, hidden: torch.Tensor | None, policy: Any,
-           cfg: SamplingConfig, generator: torch.Generator, context: Context) -> tuple[Verification, torch.Tensor]:
+           cfg: SamplingConfig, generator: torch.Generator,
+           context: Callable[[], Context]) -> tuple[Verification, torch.Tensor]:
     """The verification of one step's drafts and which of them are kept (``sd_ok | override``, as a bool
     mask over the drafts; the caller keeps its longest all-True prefix). ``context``: the answer so far, for
-    context-aware classifiers."""
+    context-aware classifiers (a function: built only if one reads it, so other policies pay nothing per step)."""
     d = torch.tensor(proposal.tokens, device=logits.device)
     u = None if cfg.greedy else torch.rand(len(d), generator=generator, device=logits.device)
     v = Verification(d, logits, proposal.full_logits, cfg, hidden, q=proposal.q, u=u, context=context)
@@ -188,7 +189,8 @@ def generate(
 
         v, n_kept = None, 0
         if drafts:
-            v, kept = verify(proposal, logits, hidden, policy, cfg, generator, Context.of([s for _, s in trace]))
+            v, kept = verify(proposal, logits, hidden, policy, cfg, generator,
+                             lambda: Context.of([source for _, source in trace]))
             stats["policy_s"] += time.perf_counter() - t2
             n_kept = int(kept.long().cumprod(0).sum())
         last = next_token(logits, v, n_kept, cfg, generator, residual_fn)
