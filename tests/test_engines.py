@@ -145,11 +145,14 @@ def test_torch_and_vllm_labels_agree_within_binomial_noise(tmp_path, monkeypatch
     from pivotspec.cli import main
 
     monkeypatch.setenv("PIVOTSPEC_VLLM_ARGS", '{"enforce_eager": true}')  # no torch.compile: a faster start
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: its KV cache warm-up took 34 s at 3.2 GiB, 3 s at 1
     pair = api.load_pair(pair="testbed", device="cpu")
-    # Sized for CI (vLLM's start alone is ~110 s on 2 cores): 6 rollouts a side, walks batched 4 at a time;
-    # the swapped and shifted checks below show the statistics still have the power to tell engines apart.
+    # Sized for CI (vLLM's rollouts run at about a third of the torch engine's rate on 2 cores): 2 problems
+    # (12 candidates), 6 rollouts a side, walks batched 4 at a time. The swapped and shifted checks below show
+    # the statistics still tell engines apart: on these 12 candidates swapped sides gave |z| 7.9 and the
+    # shifted pairing a chi-square of 46 against a 0.999 quantile of 21 (on 4 problems: 11.2 and 111).
     n = 6
-    run = dict(task="arith", split="train", n_problems=4, rollouts=n, max_rollout_tokens=64, follow="target",
+    run = dict(task="arith", split="train", n_problems=2, rollouts=n, max_rollout_tokens=64, follow="target",
                min_target_rate=-1.0, seed=3, concurrency=4)
     torch_rows = api.label(pair, tmp_path / "torch.jsonl", **run)
     vllm_rows = api.label(pair, tmp_path / "vllm.jsonl", engine="vllm", **run)
