@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--within", type=float, default=0.01)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="float32 (default, as the stored runs), bfloat16 or auto")
     ap.add_argument("--select-only", action="store_true", help="stop after the selection stage")
     ap.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--name", default="budget_frontier", help="the JSON's name under RESULTS (one per study)")
@@ -126,7 +127,7 @@ def main() -> None:
     combos = [tuple(float(v) for v in x.split(":")) for x in args.both.split(",") if x]
     more = [float(x) for x in args.more_sigmas.split(",") if x]
     task = api.pair_task(args.pair)
-    pair = api.load_pair(pair=args.pair, threads=args.threads)
+    pair = api.load_pair(pair=args.pair, threads=args.threads, dtype=args.dtype)
     root = args.results / "budget_frontier"
 
     # 1. selection

@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="float32 (default, as the stored runs), bfloat16 or auto")
     ap.add_argument("--out", type=Path, help="JSON (default benchmarks/results/classifier_cv-<labels stems>.json)")
     add_filter_args(ap)
     args = ap.parse_args()
@@ -123,7 +124,7 @@ def main() -> None:
     kinds = args.types.split(",")
     if "extended" in kinds:
         raise SystemExit("classifier_cv: 'extended' needs draft scalars; compare extended_v2, mlp and linear")
-    target = api.load_pair(pair=args.pair, threads=args.threads).target
+    target = api.load_pair(pair=args.pair, threads=args.threads, dtype=args.dtype).target
     records, key = read_label_files(args.labels if len(args.labels) > 1 else args.labels[0], target)
     stems = "+".join(f.stem for f in args.labels)
     out = args.out or Path("benchmarks/results") / f"classifier_cv-{stems}.json"

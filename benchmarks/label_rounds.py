@@ -55,10 +55,12 @@ def main() -> None:
     ap.add_argument("--min-target-rate", type=float, default=0.3)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=2000)
+    ap.add_argument("--dtype", default="float32", help="float32 (default, as the stored runs), bfloat16 or auto")
     args = ap.parse_args()
     from pivotspec import api
 
-    pair = api.load_pair(args.target, args.draft, pair=None if args.target else args.pair, needs_draft=True)
+    pair = api.load_pair(args.target, args.draft, pair=None if args.target else args.pair, needs_draft=True,
+                          dtype=args.dtype)
     task = api.task_for(args.task, args.pair)
     labels, classifier, rounds = [args.labels0], args.classifier0, []
     like = json.loads((Path(args.classifier0) / "classifier.json").read_text())

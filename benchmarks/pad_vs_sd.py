@@ -215,6 +215,7 @@ def main() -> None:
     ap.add_argument("--sigmas", default="0.9,0.995", help="PAD sigmas besides the calibrated one")
     ap.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", help="float32 (default, as the stored runs), bfloat16 or auto")
     ap.add_argument("--pause-file", type=Path, default=Path("/tmp/pivotspec-bench.pause"),
                     help="while this file exists the run waits between problems (untimed)")
     ap.add_argument("--summarize", action="store_true", help="only summarise the rows already written")
@@ -225,7 +226,7 @@ def main() -> None:
     name = "pad_vs_sd" if args.pair == "testbed" else f"pad_vs_sd-{args.pair}"
     out = args.results / name
     settings = api.EvalSettings(task=api.pair_task(args.pair), n=args.n, classifier=clf, out=out)
-    pair = api.load_pair(pair=args.pair, threads=args.threads)
+    pair = api.load_pair(pair=args.pair, threads=args.threads, dtype=args.dtype)
     gammas = [int(g) for g in args.gammas.split(",")]
     specs, main_pad = method_specs(pair, gammas, args.main_gamma, [float(s) for s in args.sigmas.split(",")])
     labels = [s.label for s in specs]

@@ -73,10 +73,18 @@ def test_packing_fuses_shared_inputs_keeps_weights_and_ties_and_computes_the_sam
     assert torch.allclose(one, ref[:, :1], atol=1e-5, rtol=1e-5)
 
 
-def test_candidates_follow_the_cpu_and_auto_keeps_to_float32():
+def test_candidates_follow_the_cpu_and_auto_weighs_bfloat16_only_with_its_instructions():
     plain = {"onednn_bf16": False, "avx512_bf16": False, "amx_bf16": False}
+    emulated = {"onednn_bf16": True, "avx512_bf16": False, "amx_bf16": False}  # AVX-512 without BF16
     bf16 = {"onednn_bf16": True, "avx512_bf16": True, "amx_bf16": False}
-    assert {p.label for p in candidates(bf16)} == {"float32", "float32 packed"}  # auto: exact everywhere
+    amx = {"onednn_bf16": True, "avx512_bf16": False, "amx_bf16": True}
+    for caps in (bf16, amx):
+        assert {p.label for p in candidates(caps)} == {"float32", "float32 packed", "bfloat16 packed"}
+        # a sliding window attends whole, not exact in bfloat16: auto keeps such a model in float32
+        assert {p.label for p in candidates(caps, sliding=True)} == {"float32", "float32 packed"}
+        assert {p.label for p in candidates(caps, "float32")} == {"float32", "float32 packed"}
+    for caps in (plain, emulated):
+        assert {p.label for p in candidates(caps)} == {"float32", "float32 packed"}
     assert {p.label for p in candidates(bf16, "bfloat16")} == {"bfloat16", "bfloat16 packed"}
     # asked for bfloat16 on a CPU without the instructions: it gets it (emulated, unpacked), never float32
     assert [p.label for p in candidates(plain, "bfloat16")] == ["bfloat16"]
@@ -98,14 +106,20 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
                                                            "amx_bf16": False, "onednn_bf16": True})
     store = tmp_path / "fastpath.json"
     args = (model, tiny_dir["llama_target"], None, store)
-    assert choose(*args) == CpuPath("float32", True)  # least 1-token + 6-token time
-    assert choose(*args) == CpuPath("float32", True)
+    assert choose(*args, dtype="float32") == CpuPath("float32", True)  # least 1-token + 6-token time
+    assert choose(*args, dtype="float32") == CpuPath("float32", True)
     assert len(calls) == 1  # the second answer came from the cache
     assert choose(*args, dtype="bfloat16") == CpuPath("bfloat16", True)
     assert len(calls) == 2
+    assert choose(*args) == CpuPath("bfloat16", True)  # auto: float32 and packed bfloat16 weighed together
+    assert calls[-1] == ["float32", "float32 packed", "bfloat16 packed"]
+    fake["float32 packed"] = (1.0, 1.0)  # where float32 measures faster, auto keeps it (a new model key)
+    monkeypatch.setattr(fastpath, "model_key", lambda source: "another")
+    assert choose(*args) == CpuPath("float32", True)
+    assert len(calls) == 4
     monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "plain")  # pinned: no measurement
     assert choose(*args, dtype="bfloat16") == CpuPath("bfloat16", False)
-    assert len(calls) == 2
+    assert len(calls) == 4
     entries = json.loads(store.read_text()).values()
     assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
 
@@ -131,14 +145,25 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     entry = next(iter(json.loads((tmp_path / fastpath.CACHE_FILE).read_text()).values()))
     assert str(lm.model.dtype).removeprefix("torch.") == entry["choice"]["dtype"]
     assert fastpath.is_packed(lm.model) == entry["choice"]["packed"]
-    assert entry["choice"]["dtype"] == "float32"
-    other = load_lm(str(tiny_dir["llama_draft"]), dtype="bfloat16")
+    other = load_lm(str(tiny_dir["llama_draft"]), dtype="float32" if entry["choice"]["dtype"] != "float32"
+                    else "bfloat16")
     a, b = model_identity(lm), model_identity(other)
     assert a["dtype"] != b["dtype"]
     assert same_model(a, b)  # the same weights: labels made in one dtype train a classifier in the other
     assert not same_run(a, b)  # but a labels file does not resume in another dtype
     old = {k: v for k, v in b.items() if k != "dtype"}  # written before dtypes were recorded: all float32
     assert same_run(old, {**b, "dtype": "float32"}) and not same_run(old, {**b, "dtype": "bfloat16"})
+
+
+def test_sliding_windows_are_told_apart():
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    assert fastpath.has_sliding_window(MistralConfig(sliding_window=4096))
+    assert fastpath.has_sliding_window(Gemma2Config())  # every other layer slides (layer_types)
+    assert not fastpath.has_sliding_window(MistralConfig(sliding_window=None))
+    assert not fastpath.has_sliding_window(Qwen2Config())  # a window size, but use_sliding_window off
+    assert fastpath.has_sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1))
+    assert not fastpath.has_sliding_window(LlamaConfig())
 
 
 @pytest.mark.slow  # real models

@@ -78,8 +78,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: $PIVOTSPEC_DEVICE, else "
                    "auto: CUDA if available, else CPU)")
     g.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default: $PIVOTSPEC_DTYPE, "
-                   "else bfloat16 on CUDA and auto elsewhere: on a CPU, float32 with plain or oneDNN-packed linears, "
-                   "whichever measured faster once per machine and model)")
+                   "else bfloat16 on CUDA and auto elsewhere: on a CPU, the fastest of float32 with plain or "
+                   "oneDNN-packed linears and, where the CPU has bfloat16 instructions, packed bfloat16, measured "
+                   "once per machine and model)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 

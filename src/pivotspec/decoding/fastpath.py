@@ -11,9 +11,10 @@ brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/c
 
 Which kernels win depends on the CPU and on the model's shapes, so :func:`choose` times 1- and 6-token
 forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
-under a key of the CPU, torch version, thread count and model files. Auto keeps to float32; bfloat16 is
-asked for (``--dtype bfloat16``). Two things keep greedy SD equal to the target alone, and batched rows
-equal to rows decoded alone, within a dtype: a lone row goes through the many-row kernel
+under a key of the CPU, torch version, thread count and model files. Auto weighs packed bfloat16 beside
+float32 where the CPU has bfloat16 instructions (AVX512-BF16 or AMX) and keeps to float32 elsewhere and for
+models with sliding windows; ``--dtype`` pins one. Two things keep greedy SD equal to the target alone, and
+batched rows equal to rows decoded alone, within a dtype: a lone row goes through the many-row kernel
 (:func:`packed_linear`), and short blocks attend one query at a time in float32 over exactly its keys
 (:func:`sdpa_in_float32`); without them both parted at near-ties in bfloat16 (tested on the testbed).
 """
@@ -254,11 +255,29 @@ class CpuPath:
         return f"{self.dtype}{' packed' if self.packed else ''}"
 
 
-def candidates(caps: dict[str, Any], dtype: str | None = None) -> list[CpuPath]:
-    """The paths worth timing. Auto (``dtype`` None) keeps to float32, plain or packed: bfloat16 gives other
-    tokens (its own rounding), so it waits for its accuracy and classifier checks (README). An asked-for dtype
-    gets its own kernels, packed where oneDNN has them for it (bfloat16 natively only with AVX512-BF16/AMX)."""
-    if dtype is None or dtype == "float32":
+def native_bf16(caps: dict[str, Any]) -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX) and oneDNN runs bfloat16 on them."""
+    return bool(caps["onednn_bf16"] and (caps["avx512_bf16"] or caps["amx_bf16"]))
+
+
+def has_sliding_window(config: Any) -> bool:
+    """Whether some layer of a model with this config attends over a sliding window (Mistral, Gemma, some
+    Qwen): those layers attend whole, so in bfloat16 they are not exact (see :func:`sdpa_in_float32`)."""
+    if any("sliding" in str(kind) for kind in getattr(config, "layer_types", None) or []):
+        return True
+    return bool(getattr(config, "sliding_window", None)) and bool(getattr(config, "use_sliding_window", True))
+
+
+def candidates(caps: dict[str, Any], dtype: str | None = None, sliding: bool = False) -> list[CpuPath]:
+    """The paths worth timing. Auto (``dtype`` None): float32, plain and packed, and bfloat16 packed where the
+    CPU has bfloat16 instructions and the model no sliding window (where the packed bfloat16 path keeps the
+    exactness promises within its dtype; its accuracy and the shipped classifiers' AUROC were checked against
+    float32, README). An asked-for dtype gets its own kernels, packed where oneDNN has them for it (bfloat16
+    natively only with AVX512-BF16/AMX)."""
+    if dtype is None:
+        extra = [CpuPath("bfloat16", True)] if native_bf16(caps) and not sliding else []
+        return [CpuPath("float32", False), CpuPath("float32", True), *extra]
+    if dtype == "float32":
         return [CpuPath("float32", False), CpuPath("float32", True)]
     if dtype == "bfloat16" and caps["onednn_bf16"]:
         return [CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
@@ -329,7 +348,7 @@ def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, d
     the least time for a 1-token plus a 6-token forward. ``dtype`` restricts the choice to that dtype's
     kernels (packed or not); ``$PIVOTSPEC_CPU_KERNELS`` (plain or packed) pins the kernels without measuring.
     ``store``: the JSON file of verdicts."""
-    paths = candidates(capabilities(), dtype)
+    paths = candidates(capabilities(), dtype, has_sliding_window(model.config))
     kernels = os.environ.get("PIVOTSPEC_CPU_KERNELS", "auto")
     if kernels not in ("auto", "plain", "packed"):
         raise UsageError(f"PIVOTSPEC_CPU_KERNELS={kernels!r}: use auto, plain or packed")

@@ -335,8 +335,9 @@ class LM:
 
 def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None) -> LM:
     """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (on a CPU,
-    float32 with plain or packed linears, whichever measured faster once per machine and model, see
-    ``fastpath``; bfloat16 on CUDA; float32 on MPS), ``float32``, ``bfloat16`` or ``float16``; None reads
+    the fastest of float32 with plain or packed linears and, where the CPU has bfloat16 instructions and the
+    model no sliding window, packed bfloat16, measured once per machine and model, see ``fastpath``; bfloat16
+    on CUDA; float32 on MPS), ``float32``, ``bfloat16`` or ``float16``; None reads
     ``$PIVOTSPEC_DTYPE``, else auto. Errors are one-line UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
