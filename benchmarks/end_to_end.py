@@ -68,10 +68,10 @@ def main() -> None:
     for row in rows:
         print(f"{row['job']:6} {row['setting']:14} {row['wall_s']:8.1f} {row['speedup_vs_float32_plain']:16.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from pivotspec.decoding.fastpath import capabilities
+    from pivotspec import api
 
     args.out.write_text(json.dumps({"commands": {k: " ".join(v[1:]) for k, v in cmds.items()},
-                                    "machine": capabilities(), "rows": rows}, indent=1))
+                                    "machine": api.cpu_capabilities(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@ from pivotspec.api.pairs import (
 from pivotspec.classifier.model import TYPES as CLASSIFIER_TYPES
 from pivotspec.decoding.acceptance import DEFAULT_P_FLOOR
 from pivotspec.decoding.export import full_vocab_checkpoint
+from pivotspec.decoding.fastpath import capabilities as cpu_capabilities
 from pivotspec.decoding.loop import METHODS, Generation
 from pivotspec.decoding.sampling import derive_seed
 from pivotspec.evaluation.runs import EvalSettings, MethodSpec
@@ -86,6 +87,7 @@ __all__ = [
     "check_request",
     "check_train_classifier",
     "count_labels",
+    "cpu_capabilities",
     "decode_method",
     "default_classifier",
     "encode",
