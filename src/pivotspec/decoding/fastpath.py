@@ -12,8 +12,9 @@ brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/c
 Which kernels win depends on the CPU and on the model's shapes, so :func:`choose` times 1- and 6-token
 forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
 under a key of the CPU, torch version, thread count and model files. Auto weighs packed bfloat16 beside
-float32 where the CPU has bfloat16 instructions (AVX512-BF16 or AMX) and keeps to float32 elsewhere and for
-models with sliding windows; ``--dtype`` pins one. Two things keep greedy SD equal to the target alone, and
+float32 where the CPU has bfloat16 instructions (AVX512-BF16 or AMX), and takes it only when it saves
+``OTHER_DTYPE_SAVING`` of the time; it keeps to float32 elsewhere and for models with sliding windows;
+``--dtype`` pins one. Two things keep greedy SD equal to the target alone, and
 batched rows equal to rows decoded alone, within a dtype: a lone row goes through the many-row kernel
 (:func:`packed_linear`), and short blocks attend one query at a time in float32 over exactly its keys
 (:func:`sdpa_in_float32`); without them both parted at near-ties in bfloat16 (tested on the testbed).
