@@ -38,6 +38,27 @@ def test_padded_batch_equals_one_prefix_at_a_time(tiny_dir, load, name, temperat
     assert max(len(c) for c in together[0]) == 12  # the long cap was reached by some row
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_greedy_rollouts_are_the_target_s_own_greedy_continuations(tiny_dir, load, padded):
+    """Temperature 0 is greedy: every row is what the target alone decodes greedily after prefix + its first
+    token. (It sampled at temperature 1 before: ``logits_to_probs`` gives the plain softmax when greedy, and the
+    rollouts drew from it; vLLM's rollouts were greedy, so the two engines' labels differed at temperature 0.)"""
+    from pivotspec.decoding.loop import decode
+
+    lm = load(tiny_dir["llama_target"])
+    cfg = SamplingConfig(0.0, 0, 1.0)
+    reqs = requests(5, lm)
+    outs = (padded_rollouts(lm, reqs, cfg, {1}) if padded else
+            [batched_rollouts(lm, r.prefix, r.first_tokens, cfg, r.max_tokens, {1}, r.generator) for r in reqs])
+    for r, out in zip(reqs, outs, strict=True):
+        for first, row in zip(r.first_tokens, out, strict=True):
+            if first == 1:  # a stop id: nothing follows
+                assert row == [1]
+                continue
+            ar = decode("ar", lm, None, r.prefix + [first], max_new_tokens=r.max_tokens - 1, eos_ids={1})
+            assert row == [first] + ar.token_ids, (r.prefix, first)
+
+
 def test_a_walks_cache_is_read_not_changed(tiny_dir, load):
     lm = load(tiny_dir["llama_target"])
     cfg = SamplingConfig(1.0, 0, 1.0)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from pivotspec.decoding.models import LM
-from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, sample
+from pivotspec.decoding.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from pivotspec.errors import UsageError
 
 ENGINES = ("torch", "vllm")
@@ -166,8 +166,12 @@ def _decode_rows(lm: LM, requests: list[RolloutRequest], cache: Any, mask: torch
             rows = [j for j, i in enumerate(batch) if i in live and owner[i] == k]
             if not rows:
                 continue
-            probs = logits_to_probs(lm.full_vocab(logits[rows].float()), cfg)
-            for j, tok in zip(rows, sample(probs, request.generator).tolist(), strict=True):
+            row_logits = lm.full_vocab(logits[rows].float())
+            # Greedy (temperature 0) takes the argmax: logits_to_probs then gives the plain softmax (T = 1),
+            # which sampling would draw from.
+            tokens = (argmax(row_logits) if cfg.greedy else sample(logits_to_probs(row_logits, cfg),
+                                                                     request.generator)).tolist()
+            for j, tok in zip(rows, tokens, strict=True):
                 i = batch[j]
                 outs[i].append(tok)
                 if tok in stop_ids or len(outs[i]) >= request.max_tokens:
