@@ -14,7 +14,7 @@ import torch
 from pivotspec import store
 from pivotspec.decoding.sampling import SamplingConfig
 from pivotspec.errors import UsageError
-from pivotspec.labels.rollouts import VllmEngine, group_requests
+from pivotspec.labels.rollouts import RolloutRequest, VllmEngine, group_requests
 from pivotspec.labels.walk import LabelConfig
 
 FAKE_VLLM = '''
@@ -43,6 +43,10 @@ class LLM:
         assert kwargs["enable_prefix_caching"] and kwargs["skip_tokenizer_init"]
 
     def generate(self, prompts, params, use_tqdm=False):
+        import os
+        if os.environ.get("FAKE_VLLM_CALLS"):  # one line per engine call
+            with open(os.environ["FAKE_VLLM_CALLS"], "a") as fh:
+                fh.write(f"{len(prompts)}\\n")
         results = []
         for prompt, p in zip(prompts, params):
             base = 100 * prompt["prompt_token_ids"][-1]
@@ -83,6 +87,26 @@ def test_vllm_engine_protocol_order_and_stop_tokens(fake_vllm):
     # a continuation ends at a stop id; a first token that is itself a stop id is not sent at all.
     assert outs == [[4, 400, 401, 402], [4, 401, 402, 403], [7, 700, 701, 702], [4, 402, 403], [2]]
     assert fake_vllm.rollouts([1], [5], cfg, 1, {2}, torch.Generator()) == [[5]]  # no room for more tokens
+
+
+@pytest.fixture
+def engine_calls(tmp_path, monkeypatch):
+    """A file the fake vLLM appends a line to per engine call (request it before ``fake_vllm``)."""
+    monkeypatch.setenv("FAKE_VLLM_CALLS", str(tmp_path / "calls"))
+    return tmp_path / "calls"
+
+
+def test_vllm_engine_sends_all_requests_in_one_call_per_length_cap(engine_calls, fake_vllm):
+    """Walks running side by side share vLLM's steps: their requests go in one engine call (one per length cap),
+    and each request gets what it would get alone."""
+    cfg, gen = SamplingConfig(0.7, 0, 1.0), torch.Generator()
+    reqs = [RolloutRequest([1, 2, 3], [4, 4, 7], gen, 4), RolloutRequest([9], [5, 2, 5], gen, 4),
+            RolloutRequest([8, 8], [6], gen, 3), RolloutRequest([3], [2], gen, 4)]
+    together = fake_vllm.rollouts_many(reqs, cfg, {2, 403})
+    assert engine_calls.read_text().split() == ["3", "1"]  # cap 4: (4, 7) and 5 in one call; cap 3: 6 alone
+    alone = [fake_vllm.rollouts(r.prefix, r.first_tokens, cfg, r.max_tokens, {2, 403}, gen) for r in reqs]
+    assert together == alone == [[[4, 400, 401, 402], [4, 401, 402, 403], [7, 700, 701, 702]],
+                                 [[5, 500, 501, 502], [2], [5, 501, 502, 503]], [[6, 600, 601]], [[2]]]
 
 
 def test_vllm_worker_failure_is_one_line(tmp_path, monkeypatch):

@@ -311,21 +311,31 @@ class VllmEngine:
 
     def rollouts(self, prefix: list[int], first_tokens: list[int], cfg: SamplingConfig, max_tokens: int,
                  stop_ids: set[int], generator: torch.Generator) -> list[list[int]]:
-        groups = group_requests(first_tokens)
-        continuations = {t: [[t] for _ in range(k)] for t, k in groups}
-        live = [(t, k) for t, k in groups if t not in stop_ids]
-        if live and max_tokens > 1:
-            answer = self.complete([prefix + [t] for t, _ in live], [k for _, k in live], cfg, max_tokens - 1, stop_ids)
-            for (t, _), outs in zip(live, answer["outputs"], strict=True):
-                continuations[t] = [[t] + o for o in outs]
-        # Back in the caller's order: the i-th occurrence of token t gets t's i-th continuation.
-        unused = {t: iter(c) for t, c in continuations.items()}
-        return [next(unused[t]) for t in first_tokens]
+        return self.rollouts_many([RolloutRequest(prefix, first_tokens, generator, max_tokens)], cfg, stop_ids)[0]
 
     def rollouts_many(self, requests: list[RolloutRequest], cfg: SamplingConfig,
                       stop_ids: set[int]) -> list[list[list[int]]]:
-        # One request at a time: vLLM batches the N continuations of each side inside its engine already.
-        return [self.rollouts(r.prefix, r.first_tokens, cfg, r.max_tokens, stop_ids, r.generator) for r in requests]
+        # Every request's sides in one engine call (one per length cap): vLLM's steps then carry the rows of
+        # all walks running side by side. One call per request left each step with a single candidate's
+        # 2 x N rows, and on a CPU vLLM's time went into steps, not rows.
+        continuations: list[dict[int, list[list[int]]]] = []
+        asks: dict[int, list[tuple[int, int, int]]] = {}  # length cap -> (request, first token, count)
+        for i, r in enumerate(requests):
+            groups = group_requests(r.first_tokens)
+            continuations.append({t: [[t] for _ in range(k)] for t, k in groups})
+            if r.max_tokens > 1:
+                asks.setdefault(r.max_tokens, []).extend((i, t, k) for t, k in groups if t not in stop_ids)
+        for cap, items in asks.items():
+            answer = self.complete([requests[i].prefix + [t] for i, t, _ in items], [k for *_, k in items], cfg,
+                                   cap - 1, stop_ids)
+            for (i, t, _), outs in zip(items, answer["outputs"], strict=True):
+                continuations[i][t] = [[t] + o for o in outs]
+        # Back in each caller's order: the i-th occurrence of token t gets t's i-th continuation.
+        out = []
+        for r, conts in zip(requests, continuations, strict=True):
+            unused = {t: iter(c) for t, c in conts.items()}
+            out.append([next(unused[t]) for t in r.first_tokens])
+        return out
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -355,4 +365,6 @@ def make_engine(name: str, target: LM, seed: int = 0, python: str | None = None)
         extra.update(json.loads(os.environ.get("PIVOTSPEC_VLLM_ARGS") or "{}"))
     except (json.JSONDecodeError, TypeError, ValueError):
         raise UsageError("PIVOTSPEC_VLLM_ARGS must be a JSON object of vllm.LLM arguments") from None
-    return VllmEngine(target.source, seed=seed, dtype=dtype, python=python, extra=extra)
+    # vLLM refuses a max_model_len above the model's own (a small model built for 1,024 positions).
+    max_model_len = min(2048, target.max_positions or 2048)
+    return VllmEngine(target.source, seed=seed, dtype=dtype, max_model_len=max_model_len, python=python, extra=extra)
