@@ -4,7 +4,6 @@ version and signature checks, and (slow) the plugin inside vLLM 0.32's CPU build
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 from pathlib import Path
 
@@ -200,36 +199,6 @@ def test_greedy_pad_in_vllm_equals_pivotspec_and_sigma_0_is_vllm_lossless(vllm_p
                                 policy=api.make_policy(pair, "pad"), max_new_tokens=127, batch_size=10)
     assert [g.token_ids for g in lossless] == [g.token_ids for g in ref_sd]
     assert [g.token_ids for g in pad] == [f + g.token_ids for f, g in zip(firsts, ref_pad, strict=True)]
-
-
-@pytest.mark.slow(seconds=90)
-@needs_vllm
-def test_sampled_override_rate_matches_pivotspec_within_binomial_noise(vllm_pad):
-    """Temperature 0.7 on both sides, the same draft checkpoint (the full-vocabulary export vLLM runs), PAD's
-    default floor: overrides per draft token from vLLM's counters and from pivotspec's loop agree within 3.5
-    standard errors. Each prompt samples on its own (vLLM's engine draws one stream for all requests,
-    pivotspec seeds each row); with one seed shared by every row, as generate_many had, pivotspec's count on 40
-    problems moved from 7 to 26 per ~2,100 draft tokens between seeds 1-3, and the gap to vLLM (17 of 3,220 against
-    46 of 3,296) looked like a bug in the floor. With a seed per row, on 60 problems: vLLM 19 of 3,260, pivotspec
-    24 of 3,227."""
-    from pivotspec import api
-
-    pair, decoder = vllm_pad
-    prompts, stop = arith_prompts(pair, 40), api.stop_ids(pair.target)
-    sigma = 0.95  # loose, so that overrides are many and the comparison has power
-    gens = decoder.decode_many(prompts, SamplingConfig(0.7), 64, stop, sigma=sigma)
-    v_over, v_drafted = gens[0].stats["override"], gens[0].stats["drafted"]
-    same_draft = api.load_pair("testbed-target", str(api.full_vocab_checkpoint("testbed-draft")), dtype="float32")
-    policy = api.make_policy(same_draft, "pad", classifier=api.default_classifier("testbed"), sigma=sigma)
-    ref = api.generate_many(same_draft, prompts, method="pad", policy=policy, temperature=0.7, max_new_tokens=64,
-                            batch_size=10)
-    t_over, t_drafted = sum(g.stats["override"] for g in ref), sum(g.stats["drafted"] for g in ref)
-    p1, p2 = v_over / v_drafted, t_over / t_drafted
-    pooled = (v_over + t_over) / (v_drafted + t_drafted)
-    se = math.sqrt(pooled * (1 - pooled) * (1 / v_drafted + 1 / t_drafted))
-    assert v_over > 0 and t_over > 0
-    print(f"override rate: vLLM {v_over}/{v_drafted}, pivotspec {t_over}/{t_drafted}, z {(p1 - p2) / se:.2f}")
-    assert abs(p1 - p2) <= 3.5 * se, (p1, p2, se)
 
 
 def test_torch_expand_is_vllm_s_expand():
