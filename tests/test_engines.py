@@ -40,6 +40,10 @@ class Result:
 class LLM:
     def __init__(self, **kwargs):
         assert kwargs["enable_prefix_caching"] and kwargs["skip_tokenizer_init"]
+        import os
+        if os.environ.get("FAKE_VLLM_INIT"):  # the engine's length limit, for the test that reads it
+            with open(os.environ["FAKE_VLLM_INIT"], "w") as fh:
+                fh.write(str(kwargs["max_model_len"]))
 
     def generate(self, prompts, params, use_tqdm=False):
         import os
@@ -62,14 +66,19 @@ class LLM:
 '''
 
 
-@pytest.fixture
-def fake_vllm(tmp_path, monkeypatch):
+def install_fake_vllm(tmp_path: Path, monkeypatch) -> None:
+    """Make the fake vllm package importable by child processes (the engine's worker)."""
     pkg = tmp_path / "fake" / "vllm"
     (pkg / "inputs").mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
     (pkg / "inputs" / "__init__.py").write_text("def TokensPrompt(prompt_token_ids):\n"
                                                  "    return {'prompt_token_ids': prompt_token_ids}\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    install_fake_vllm(tmp_path, monkeypatch)
     engine = VllmEngine("/nowhere", python=sys.executable)
     yield engine
     engine.close()
@@ -106,6 +115,17 @@ def test_vllm_engine_sends_all_requests_in_one_call_per_length_cap(engine_calls,
     alone = [fake_vllm.rollouts(r.prefix, r.first_tokens, cfg, r.max_tokens, {2, 403}, gen) for r in reqs]
     assert together == alone == [[[4, 400, 401, 402], [4, 401, 402, 403], [7, 700, 701, 702]],
                                  [[5, 500, 501, 502], [2], [5, 501, 502, 503]], [[6, 600, 601]], [[2]]]
+
+
+def test_vllm_engine_length_limit_is_the_model_s_own_when_shorter(tiny_dir, load, tmp_path, monkeypatch):
+    """vLLM refuses a max_model_len above the model's positions (the tiny models have 512): capped there."""
+    from pivotspec.labels.rollouts import make_engine
+
+    monkeypatch.setenv("FAKE_VLLM_INIT", str(tmp_path / "init"))
+    install_fake_vllm(tmp_path, monkeypatch)
+    engine = make_engine("vllm", load(tiny_dir["llama_target"]), python=sys.executable)
+    engine.close()
+    assert (tmp_path / "init").read_text() == "512"
 
 
 def test_vllm_worker_failure_is_one_line(tmp_path, monkeypatch):
