@@ -259,6 +259,28 @@ def test_labels_stats_measures_how_well_p_d_alone_separates_pivots(trained, tiny
     assert "needs the target" in capsys.readouterr().err
 
 
+def test_a_labels_file_kept_compressed_is_read_as_the_plain_one(trained, tmp_path, capsys):
+    """Labels kept in the repository as ``X.jsonl.gz`` (so the tracked tree fits a device call) are found,
+    hashed, scored and merged under the plain name: the hash is the plain content's, so a classifier trained on
+    the plain file still knows the compressed one as its own."""
+    import gzip
+
+    from pivotspec.api import check_train_classifier, merge_labels
+    from pivotspec.classifier.training import probability_properties
+
+    target, labels, clf_dir, _ = trained
+    kept = tmp_path / "labels.jsonl"
+    (tmp_path / "labels.jsonl.gz").write_bytes(gzip.compress(labels.read_bytes()))
+    assert not kept.exists()
+    assert features.file_hash(kept) == features.file_hash(labels)
+    assert probability_properties(kept, target, clf_dir)["classifier_trained_on_this_file"]
+    check_train_classifier([kept], tmp_path / "clf")
+    assert main(["labels", "stats", str(kept)]) == 0
+    assert "candidates" in capsys.readouterr().out
+    merged = merge_labels(tmp_path / "merged.jsonl", [kept])
+    assert (tmp_path / "merged.jsonl").read_bytes() == labels.read_bytes() and merged["candidates"] > 0
+
+
 def test_training_on_the_union_of_two_rounds(tiny_dir, tmp_path, capsys):
     """Two labels files (rounds) whose problems and steps coincide: every candidate of both is kept, and a
     problem's candidates from both rounds fall in one split (15 problems, not 30)."""

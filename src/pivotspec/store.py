@@ -4,8 +4,9 @@ A process killed mid-write leaves at most a truncated last line; ``read_records`
 warning) and cuts the file back to the last complete record, so a rerun appends cleanly after it.
 
 A finished file may be stored compressed beside its name (``results.jsonl.gz``, made with ``gzip -9n``: the
-benchmark rows kept in the repository are, so the tracked tree fits a device call): ``read_records`` reads it
-when the plain file is absent, and ``open_for_append`` restores the plain file first, so a rerun resumes.
+benchmark rows and labels files kept in the repository are, so the tracked tree fits a device call):
+``exists``, ``read_records`` and ``open_bytes`` see it when the plain file is absent, and ``open_for_append``
+restores the plain file first, so a rerun resumes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from pivotspec.errors import UsageError
 
@@ -25,6 +26,29 @@ from pivotspec.errors import UsageError
 def compressed(path: Path) -> Path:
     """Where ``path`` is kept compressed."""
     return path.with_name(path.name + ".gz")
+
+
+def exists(path: Path) -> bool:
+    """Whether ``path`` is there as a plain file or compressed beside its name."""
+    return Path(path).is_file() or compressed(Path(path)).is_file()
+
+
+def open_bytes(path: Path) -> BinaryIO:
+    """``path`` open for reading its plain bytes, from the compressed copy when the plain file is absent (so a
+    file's content hash is the same either way)."""
+    path = Path(path)
+    return path.open("rb") if path.exists() else gzip.open(compressed(path), "rb")
+
+
+def content_digest(path: Path) -> str:
+    """First 16 hex digits of the SHA-256 of ``path``'s plain content (compressed or not), read in chunks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open_bytes(path) as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()[:16]
 
 
 def restore(path: Path) -> None:

@@ -12,11 +12,11 @@ from pivotspec.classifier.model import load as load_classifier
 from pivotspec.classifier.training import Filters, evaluate_on_labels, train_from_labels
 from pivotspec.decoding.models import load_lm
 from pivotspec.errors import UsageError
-from pivotspec.store import check_output_dir
+from pivotspec.store import check_output_dir, exists
 
 
 def _check_labels_file(labels: Path) -> None:
-    if not labels.is_file():
+    if not exists(labels):
         raise UsageError(f"labels file {str(labels)!r} does not exist: check the path (or run `pivotspec label`)")
 
 

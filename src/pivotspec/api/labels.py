@@ -15,7 +15,7 @@ from pivotspec.evaluation import runs
 from pivotspec.labels import cluster, files
 from pivotspec.labels.rollouts import ROLLOUT_GAMMA
 from pivotspec.labels.walk import LabelConfig, run_labeling
-from pivotspec.store import read_records
+from pivotspec.store import exists, read_records
 
 
 def label_config(**fields: Any) -> LabelConfig:
@@ -123,7 +123,7 @@ def labels_stats(path: str | Path, *, pair: str | None = None, target: str | Non
     """Counts, pivot share, U distributions and candidates per problem of a labels file; with a target
     (``pair`` or ``target``) also how well p(d) alone, and ``classifier``, separate pivots (key ``p_d``)."""
     path = Path(path)
-    if not path.is_file():
+    if not exists(path):
         raise UsageError(f"labels file {str(path)!r} does not exist: check the path")
     if classifier is not None and not (pair or target):
         raise UsageError("--classifier needs the target: pass --pair or --target")

@@ -14,8 +14,9 @@ import torch
 
 from pivotspec.decoding.acceptance import Context
 from pivotspec.decoding.drafting import fit_vocab
-from pivotspec.decoding.models import LM, cache_dir, file_digest
+from pivotspec.decoding.models import LM, cache_dir
 from pivotspec.errors import UsageError
+from pivotspec.store import content_digest
 
 # Bumped whenever what a feature means changes, so no cached file of an older meaning is read back.
 # 2: the hidden state at d's own row (1 read the row that predicts d).
@@ -23,7 +24,7 @@ FEATURES_VERSION = 2
 CANDIDATE_KEYS = ("problem_id", "step", "prefix_ids", "d", "label", "u_acc", "u_rej")
 
 
-file_hash = file_digest  # labels files are keyed by content, like GGUF conversions
+file_hash = content_digest  # labels files are keyed by their plain content, also when kept compressed
 
 
 def candidates(records: list[dict]) -> list[dict]:

@@ -243,9 +243,9 @@ def probability_properties(labels: Path, target: LM, classifier_dir: Path | None
     pivots with p(d) > ``threshold``, and on the report split (the training protocol's split by problem)
     the AUROC of the p(d)-only logistic reference, fitted on the train split, and of ``classifier_dir``'s
     classifier when given (its layer, filters and split seed are used then)."""
-    from pivotspec.store import read_records
+    from pivotspec.store import exists, read_records
 
-    if not labels.is_file():
+    if not exists(labels):
         raise UsageError(f"labels file {str(labels)!r} does not exist: check the path")
     records = read_records(labels, repair=False)
     check_labels_target(records, target, labels)

@@ -24,6 +24,7 @@ import torch
 
 from pivotspec.decoding.sampling import argmax
 from pivotspec.errors import UsageError
+from pivotspec.store import content_digest
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -116,15 +117,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def file_digest(path: Path) -> str:
-    """First 16 hex digits of the file's SHA-256, read in chunks (GGUF files run to gigabytes)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+file_digest = content_digest  # GGUF files run to gigabytes: read in chunks
 
 
 def smollm2_dir() -> Path:

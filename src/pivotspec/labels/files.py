@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pivotspec.errors import UsageError
 from pivotspec.labels.walk import identity_diff, is_pivot
-from pivotspec.store import read_records
+from pivotspec.store import exists, read_records
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -41,7 +41,7 @@ def merge_labels(out: Path, inputs: list[Path], overwrite: bool = False) -> dict
         raise UsageError(f"{out} exists: pass --overwrite to replace it, or choose another output")
     identity, source, seen, merged = None, None, set(), []
     for path in inputs:
-        if not Path(path).is_file():
+        if not exists(Path(path)):
             raise UsageError(f"labels file {str(path)!r} does not exist: check the path")
         records = read_records(Path(path), repair=False)
         for rec in records:
