@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import signal
 import subprocess
@@ -45,6 +46,12 @@ def test_ray_run_with_two_workers_equals_the_single_process_run(tiny_dir, tmp_pa
     assert main([*base, "--alpha", "0.3", "--ray", "--workers", "2", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "different config" in err[-1] and "Traceback" not in "\n".join(err)
+    # Labels kept compressed under the output's name (as the repository keeps them) are merged in, not dropped.
+    kept = tmp_path / "kept.jsonl"
+    store.compressed(kept).write_bytes(gzip.compress((tmp_path / "one.jsonl").read_bytes()))
+    fewer = [a if a != "6" else "3" for a in base]
+    assert main([*fewer, "--ray", "--workers", "2", "--out", str(kept)]) == 0
+    assert key(store.read_records(kept)) == key(store.read_records(tmp_path / "one.jsonl"))
 
 
 def test_ray_argument_errors_come_before_ray_starts(tiny_dir, tmp_path, capsys):

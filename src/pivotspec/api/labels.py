@@ -15,7 +15,7 @@ from pivotspec.evaluation import runs
 from pivotspec.labels import cluster, files
 from pivotspec.labels.rollouts import ROLLOUT_GAMMA
 from pivotspec.labels.walk import LabelConfig, run_labeling
-from pivotspec.store import exists, read_records
+from pivotspec.store import compressed, exists, read_records
 
 
 def label_config(**fields: Any) -> LabelConfig:
@@ -112,7 +112,7 @@ def label_on_ray(out: str | Path, *, target: str | None = None, draft: str | Non
         raise UsageError(f"--workers must be >= 1, got {workers}")
     out = Path(out)
     if overwrite:
-        for path in [out] + [cluster.shard_path(out, i, workers) for i in range(workers)]:
+        for path in [out, compressed(out)] + [cluster.shard_path(out, i, workers) for i in range(workers)]:
             path.unlink(missing_ok=True)
     pair_args = dict(target=target, draft=draft, pair=pair, dtype=dtype, device=device, threads=threads)
     return cluster.label_on_ray(_label_shard, pair_args, out, workers, label_args, address=address)

@@ -19,6 +19,7 @@ from typing import Any
 
 from pivotspec.errors import UsageError
 from pivotspec.labels.files import merge_labels
+from pivotspec.store import restore
 
 # One shard in a Ray worker: (pair arguments, shard file, (i, n), label arguments) -> candidates labeled.
 ShardJob = Callable[[dict[str, Any], str, tuple[int, int], dict[str, Any]], int]
@@ -69,6 +70,7 @@ def label_on_ray(label_shard: ShardJob, pair_args: dict[str, Any], out: Path, wo
     import ray
 
     out = Path(out)  # workers >= 1 was checked by api.label_on_ray
+    restore(out)  # labels kept compressed under this name are merged in below like a plain file's
     shards = [shard_path(out, i, workers) for i in range(workers)]
     connect(address, workers)
     try:
