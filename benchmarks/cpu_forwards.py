@@ -3,8 +3,8 @@
     python benchmarks/cpu_forwards.py --out benchmarks/results/cpu_forwards.json
 
 Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec
-number before the fast path; float32 packed, what ``--dtype auto`` picks here; bfloat16 plain and packed,
-``--dtype bfloat16``): median ms of a 1-token and a 6-token forward after 64 cached tokens (interleaved
+number before the fast path; float32 packed; bfloat16 plain and packed, ``--dtype bfloat16``; a packed path
+once per lone-row width that keeps the many-row numbers, the widths ``fastpath.choose`` picks among): median ms of a 1-token and a 6-token forward after 64 cached tokens (interleaved
 repeats), the bytes of weights, and the time to read them once at this machine's read bandwidth, measured
 here (median of summing a 512 MB buffer). Then ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped
 classifier) on the testbed pair per path, interleaved over arith validation problems; and llama.cpp
@@ -68,22 +68,37 @@ def load_plain(load: Any, *args: Any, **kwargs: Any) -> Any:
         del os.environ["PIVOTSPEC_CPU_KERNELS"]
 
 
+def variants(base: Any) -> dict[str, tuple[Any, int]]:
+    """Each path of ``PATHS`` on a copy of ``base``; a packed path once per exact lone-row width (the widths
+    ``fastpath.choose`` picks among), as (model, lone rows)."""
+    out = {}
+    for p in PATHS:
+        model = fastpath.convert(copy.deepcopy(base), p)
+        if not p.packed:
+            out[p.label] = (model, 0)
+            continue
+        for width in fastpath.exact_lone_widths(model) or [p.lone_rows]:
+            out[f"{p.label}, lone row x{width}"] = (model, width)
+    return out
+
+
 def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
     lm = load_plain(api.load_model, name, dtype="float32")
-    base = lm.model
     rows = []
-    models = {p.label: fastpath.convert(copy.deepcopy(base), p) for p in PATHS}
+    models = variants(lm.model)
     timings: dict[str, list[dict]] = {k: [] for k in models}
     for r in range(reps):  # interleaved: each repeat times every path
         for label in (list(models) if r % 2 == 0 else list(models)[::-1]):
-            timings[label].append(fastpath.time_forwards(models[label], lm.with_cache, reps=3))
-    for p in PATHS:
-        m = models[p.label]
+            model, width = models[label]
+            if width:
+                fastpath.set_lone_rows(model, width)
+            timings[label].append(fastpath.time_forwards(model, lm.with_cache, reps=3))
+    for label, (m, _) in models.items():
         nbytes = sum(t.numel() * t.element_size() for t in m.parameters())
-        one = statistics.median(t["1_token_ms"] for t in timings[p.label])
-        six = statistics.median(t["6_token_ms"] for t in timings[p.label])
+        one = statistics.median(t["1_token_ms"] for t in timings[label])
+        six = statistics.median(t["6_token_ms"] for t in timings[label])
         read_ms = nbytes / bandwidth / 1e6
-        rows.append({"model": name, "path": p.label, "weights_mb": round(nbytes / 1e6), "read_ms": read_ms,
+        rows.append({"model": name, "path": label, "weights_mb": round(nbytes / 1e6), "read_ms": read_ms,
                      "1_token_ms": one, "6_token_ms": six, "6_over_1": six / one, "1_token_over_read": one / read_ms})
     return rows
 
@@ -152,9 +167,9 @@ def main() -> None:
     result["forwards"] = []
     for name in ("testbed-target", "testbed-draft", "smollm2-135m-instruct"):
         result["forwards"] += forwards(name, args.repeats, bw)
-    print(f"{'model':22} {'path':16} {'MB':>5} {'read ms':>8} {'1-tok ms':>9} {'6-tok ms':>9} {'6/1':>5} {'1/read':>7}")
+    print(f"{'model':22} {'path':29} {'MB':>5} {'read ms':>8} {'1-tok ms':>9} {'6-tok ms':>9} {'6/1':>5} {'1/read':>7}")
     for r in result["forwards"]:
-        print(f"{r['model']:22} {r['path']:16} {r['weights_mb']:5} {r['read_ms']:8.1f} {r['1_token_ms']:9.1f} "
+        print(f"{r['model']:22} {r['path']:29} {r['weights_mb']:5} {r['read_ms']:8.1f} {r['1_token_ms']:9.1f} "
               f"{r['6_token_ms']:9.1f} {r['6_over_1']:5.2f} {r['1_token_over_read']:7.2f}", flush=True)
     peer = llama_cpp(args.llama_python, args.threads, 64, 5)
     result["llama_cpp_smollm2_q4_1"] = peer

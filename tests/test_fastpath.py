@@ -50,6 +50,52 @@ def test_a_row_alone_equals_the_row_among_others(dtype):
         assert torch.allclose(together, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lone_row_widths_found_exact_are_exact_and_a_parting_width_is_refused(dtype, monkeypatch):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(576, 960, bias=False), nn.Linear(960, 576, bias=True)).to(getattr(torch, dtype))
+    pack_linears(model)
+    x = torch.randn(6, 576, dtype=model[0].weight.dtype)
+    widths = fastpath.exact_lone_widths(model)
+    assert set(widths) <= set(fastpath.LONE_WIDTHS)
+    with torch.inference_mode():
+        together = model(x)
+        for width in widths:  # what the probe found exact is exact on other rows too
+            fastpath.set_lone_rows(model, width)
+            assert all(k.lone_rows == width for k in fastpath.packed_kernels(model))
+            assert torch.equal(torch.cat([model(x[i:i + 1]) for i in range(6)]), together)
+    real = fastpath.packed_linear
+
+    def parting(flat, packed, bias, lone_rows=2):  # a kernel that sums a lone row of width 1 otherwise
+        out = real(flat, packed, bias, lone_rows)
+        return out + torch.ones_like(out) * (flat.shape[0] == 1 and lone_rows == 1)
+
+    monkeypatch.setattr(fastpath, "packed_linear", parting)
+    assert 1 not in fastpath.exact_lone_widths(model)
+
+
+def test_choose_times_each_exact_lone_width_and_keeps_the_fastest(tmp_path, tiny_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
+    lone_ms = {1: 3.0, 2: 5.0, 4: 1.0}  # 4 would be fastest, but it is not exact here
+
+    def time_forwards(trial, _with_cache):
+        kernels = fastpath.packed_kernels(trial)
+        return {"1_token_ms": lone_ms[kernels[0].lone_rows] if kernels else 100.0, "6_token_ms": 6.0}
+
+    monkeypatch.setattr(fastpath, "time_forwards", time_forwards)
+    monkeypatch.setattr(fastpath, "exact_lone_widths", lambda trial: [1, 2])
+    store = tmp_path / "fastpath.json"
+    path = choose(model, tiny_dir["llama_target"], None, store, dtype="float32")
+    assert path == CpuPath("float32", True, lone_rows=1)
+    entry = next(iter(json.loads(store.read_text()).values()))
+    assert entry["timings"]["float32 packed"]["lone_row_ms"] == {"1": 3.0, "2": 5.0}
+    assert choose(model, tiny_dir["llama_target"], None, store, dtype="float32") == path  # from the cache
+    fastpath.convert(model, path)
+    assert {k.lone_rows for k in fastpath.packed_kernels(model)} == {1}
+
+
 def test_packing_fuses_shared_inputs_keeps_weights_and_ties_and_computes_the_same(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -123,7 +169,7 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert len(calls) == 4
     entries = json.loads(store.read_text()).values()
     assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
-    assert sum(e["choice"] == {"dtype": "float32", "packed": True} for e in entries) == 2
+    assert sum(e["choice"] == {"dtype": "float32", "packed": True, "lone_rows": 2} for e in entries) == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -188,7 +234,7 @@ def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16():
 
 
 def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
-    from pivotspec.decoding.fastpath import key_counts
+    from pivotspec.decoding.attention import key_counts
 
     assert key_counts(None, 2, 3, 10) == [[8, 9, 10], [8, 9, 10]]
     cols = torch.arange(6)

@@ -15,9 +15,10 @@ under a key of the CPU, torch version, thread count and model files. Auto weighs
 float32 where the CPU has bfloat16 instructions (AVX512-BF16 or AMX), and takes it only when it saves
 ``OTHER_DTYPE_SAVING`` of the time; it keeps to float32 elsewhere and for models with sliding windows;
 ``--dtype`` pins one. Two things keep greedy SD equal to the target alone, and
-batched rows equal to rows decoded alone, within a dtype: a lone row goes through the many-row kernel
-(:func:`packed_linear`), and short blocks attend one query at a time in float32 over exactly its keys
-(:func:`sdpa_in_float32`); without them both parted at near-ties in bfloat16 (tested on the testbed).
+batched rows equal to rows decoded alone, within a dtype: a lone row is computed at a width that gives it the
+many-row kernel's numbers, the fastest such width measured per machine (:func:`packed_linear`,
+:func:`exact_lone_widths`), and short blocks attend one query at a time in float32 over exactly its keys
+(``attention.sdpa_in_float32``); without them both parted at near-ties in bfloat16 (tested on the testbed).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from pivotspec.decoding.attention import attention_in_float32
 from pivotspec.errors import UsageError
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,16 +49,20 @@ CACHE_FILE = "fastpath.json"
 # with AVX512-BF16: packed bfloat16 saved 12-20% of the 1- plus 6-token forward time, and `demo` ran 1.03x,
 # `label` 1.08x; an AMD EPYC: it saved 55%, and they ran 1.58x and 2.47x; benchmarks/end_to_end.py).
 OTHER_DTYPE_SAVING = 0.25
+LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which are exact and fastest is measured
 
 
-def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``flat @ W.T + bias`` on oneDNN-packed weights. A lone row is computed as two (the second all zeros):
-    oneDNN splits the sum of one row differently from two or more, and the results part at rounding, in
-    bfloat16 by a whole step, enough to move greedy SD away from the target alone. The weights are read
-    once either way, so the second row costs next to nothing."""
-    if flat.shape[0] == 1:
-        return torch.ops.mkldnn._linear_pointwise(torch.cat([flat, torch.zeros_like(flat)]), packed, bias,
-                                                  "none", [], "")[:1]
+def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  lone_rows: int = 2) -> torch.Tensor:
+    """``flat @ W.T + bias`` on oneDNN-packed weights. A lone row is computed as ``lone_rows`` rows (the rest
+    zeros): oneDNN may sum one row differently from two or more, and where it does the results part at
+    rounding, in bfloat16 by a whole step, enough to move greedy SD away from the target alone. Whether it does,
+    and which width runs fastest, depend on the CPU and the dtype (measured on an AMD EPYC with AVX512-BF16:
+    in bfloat16 one row alone gave the many-row numbers and padding to 4 rows ran fastest; in float32 one row
+    alone parted), so :func:`choose` measures it among the exact widths (:func:`exact_lone_widths`)."""
+    if flat.shape[0] == 1 and lone_rows > 1:
+        padded = F.pad(flat, (0, 0, 0, lone_rows - 1))
+        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
 
 
@@ -74,9 +81,14 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = pack(linear.weight)
+        self.lone_rows = 2
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias)
+        out = packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.lone_rows)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -88,15 +100,17 @@ class FusedLinears:
 
     def __init__(self, linears: list[nn.Linear]):
         self.sizes = [lin.out_features for lin in linears]
+        self.in_features, self.dtype = linears[0].in_features, linears[0].weight.dtype
         self.packed = pack(torch.cat([lin.weight.detach() for lin in linears]))
         biases = [lin.bias for lin in linears]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+        self.lone_rows = 2
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:  # a new input: compute every member's output once
-            out = packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias)
+            out = packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.lone_rows)
             self._outputs = [part.reshape(*x.shape[:-1], part.shape[-1]) for part in out.split(self.sizes, -1)]
             self._input = x
         return self._outputs[index]
@@ -121,76 +135,6 @@ class FusedMember(nn.Module):
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that read one input in HF models
 
 
-FLOAT32_ATTENTION = "pivotspec_sdpa_float32"
-VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time
-
-
-def key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> list[list[int]] | None:
-    """How many leading keys each query of a block sees, when every query sees a prefix of the keys (full
-    attention over a single sequence's cache or over the batch's slot cache); None otherwise (a sliding
-    window, a float mask), where attention goes through SDPA whole."""
-    if mask is None:
-        return [[total - width + i + 1 for i in range(width)]] * rows
-    if mask.dtype != torch.bool or mask.shape[1] != 1:
-        return None
-    visible = mask[:, 0]
-    counts = visible.sum(-1)
-    if not torch.equal(visible.int().cummin(-1).values.sum(-1), counts):  # something after a hidden key
-        return None
-    return counts.tolist()
-
-
-def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention computed in float32 and returned in the model's dtype, one query at a time
-    over exactly the keys it sees, for short blocks (SD's verification, batched decode steps).
-
-    Why: PyTorch's CPU attention sums a row over all the keys of the call, masked ones included, so a query
-    computed beside later ones (SD's verification) or beside longer rows (a batch) was summed in another
-    order than the same query alone (the target's decode step). In float32 that is about 1e-7; in bfloat16
-    it moved a row by a whole bfloat16 step, and greedy SD, and batched rows, parted from the target alone
-    at near-ties (measured on the tiny test models and the testbed). Float32 makes the step rare, and the
-    per-query call makes every row the lone decode step's own computation, bit for bit; the upcast reads the
-    cache once more, small next to the weights. Prefills (a fresh cache) and sliding windows go whole."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    dtype = query.dtype
-    q, k, v = query.float(), key.float(), value.float()
-    rows, width, total = q.shape[0], q.shape[-2], k.shape[-2]
-    short = width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None
-    if short and attention_mask is None and width > 1:
-        # one sequence verifying a block: one call per query over exactly its keys. (Rollouts of one prefix
-        # also come without a mask, one token wide: they go whole, as nothing compares them with batch 1.)
-        kwargs = {**kwargs, "is_causal": False}
-        lengths = key_counts(None, 1, width, total)[0]
-        out = torch.cat([sdpa_attention_forward(module, q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], None,
-                                                *args, **kwargs)[0] for i, n in enumerate(lengths)], dim=1)
-        return out.to(dtype), None
-    counts = key_counts(attention_mask, rows, width, total) if short and attention_mask is not None else None
-    if counts is not None:  # the batch's rows, each over its own keys
-        kwargs = {**kwargs, "is_causal": False}
-        out = torch.cat([torch.cat([sdpa_attention_forward(module, q[b:b + 1, :, i:i + 1], k[b:b + 1, :, :n],
-                                                           v[b:b + 1, :, :n], None, *args, **kwargs)[0]
-                                    for i, n in enumerate(counts[b])], dim=1) for b in range(rows)])
-        return out.to(dtype), None
-    mask = attention_mask
-    if mask is not None and mask.is_floating_point():
-        mask = mask.float()
-    out, weights = sdpa_attention_forward(module, q, k, v, mask, *args, **kwargs)
-    return out.to(dtype), weights
-
-
-def attention_in_float32(model: nn.Module) -> None:
-    """Make a model's attention go through :func:`sdpa_in_float32` (its masks stay SDPA's)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(FLOAT32_ATTENTION, sdpa_in_float32)
-    AttentionMaskInterface.register(FLOAT32_ATTENTION, sdpa_mask)
-    for config in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
-        config._attn_implementation = FLOAT32_ATTENTION
-
-
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` of a CPU model by a packed one, fusing the groups in ``FUSED`` that a module
     holds (members must agree on input width and on having a bias); returns how many linears were replaced."""
@@ -213,6 +157,38 @@ def pack_linears(model: nn.Module) -> int:
 
 def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, (PackedLinear, FusedMember)) for m in model.modules())
+
+
+def packed_kernels(model: nn.Module) -> list[PackedLinear | FusedLinears]:
+    """Each packed weight of ``model`` once: its packed linears and fused groups."""
+    kernels = {}
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            kernels[id(m)] = m
+        elif isinstance(m, FusedMember):
+            kernels[id(m.group)] = m.group
+    return list(kernels.values())
+
+
+def set_lone_rows(model: nn.Module, rows: int) -> None:
+    for kernel in packed_kernels(model):
+        kernel.lone_rows = rows
+
+
+def exact_lone_widths(model: nn.Module, widths: tuple[int, ...] = LONE_WIDTHS, rows: int = 6) -> list[int]:
+    """The widths at which a lone row gets, bit for bit, the numbers that a block of ``rows`` rows gives it, for
+    every packed weight of ``model`` (probed with seeded random rows): the widths that keep greedy SD equal to
+    the target alone and batched rows equal to rows alone."""
+    gen = torch.Generator().manual_seed(0)
+    probes = [(k, torch.randn(rows, k.in_features, generator=gen).to(k.dtype)) for k in packed_kernels(model)]
+    exact = []
+    with torch.inference_mode():
+        for width in widths:
+            if all(torch.equal(packed_linear(x, k.packed, k.bias),
+                               torch.cat([packed_linear(x[i:i + 1], k.packed, k.bias, width) for i in range(rows)]))
+                   for k, x in probes):
+                exact.append(width)
+    return exact
 
 
 def cpu_name() -> str:
@@ -251,10 +227,12 @@ def capabilities() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CpuPath:
-    """One way to run a model on the CPU: weight dtype and whether linears use packed oneDNN weights."""
+    """One way to run a model on the CPU: weight dtype, whether linears use packed oneDNN weights, and for
+    packed ones how many rows a lone row is computed as (:func:`packed_linear`)."""
 
     dtype: str
     packed: bool
+    lone_rows: int = 2
 
     @property
     def label(self) -> str:
@@ -335,15 +313,27 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
         attention_in_float32(model)
     if path.packed:
         pack_linears(model)
+        set_lone_rows(model, path.lone_rows)
     return model
 
 
-def measure(model: nn.Module, with_cache: Any, paths: list[CpuPath]) -> dict[str, dict[str, float]]:
-    """Forward timings of each path on copies of ``model`` (a float32 CPU model, left as it is)."""
-    results = {}
+def measure(model: nn.Module, with_cache: Any, paths: list[CpuPath]) -> dict[str, dict[str, Any]]:
+    """Forward timings of each path on copies of ``model`` (a float32 CPU model, left as it is). A packed path
+    is timed at each exact lone-row width (:func:`exact_lone_widths`) and reports its fastest, as
+    ``lone_rows``, with every width's 1-token ms in ``lone_row_ms``."""
+    results: dict[str, dict[str, Any]] = {}
     for path in paths:
         trial = convert(copy.deepcopy(model), path)
-        results[path.label] = time_forwards(trial, with_cache)
+        if not path.packed:
+            results[path.label] = time_forwards(trial, with_cache)
+            continue
+        by_width = {}
+        for width in exact_lone_widths(trial) or [path.lone_rows]:
+            set_lone_rows(trial, width)
+            by_width[width] = time_forwards(trial, with_cache)
+        width = min(by_width, key=lambda w: by_width[w]["1_token_ms"])
+        results[path.label] = {**by_width[width], "lone_rows": width,
+                               "lone_row_ms": {str(w): t["1_token_ms"] for w, t in by_width.items()}}
         del trial
     return results
 
@@ -364,6 +354,7 @@ def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, d
     if len(paths) == 1:
         return paths[0]
     rule = f"|other dtypes save {OTHER_DTYPE_SAVING}" if len({p.dtype for p in paths}) > 1 else ""
+    rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}" if any(p.packed for p in paths) else ""
     key = f"{machine_key()}|{model_key(source)}|{','.join(p.label for p in paths)}{rule}"
     try:
         cached = json.loads(store.read_text())
@@ -378,6 +369,7 @@ def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, d
             return ms / (1 - OTHER_DTYPE_SAVING) if dtype is None and p.dtype != "float32" else ms
 
         best = min(paths, key=cost)
+        best = CpuPath(best.dtype, best.packed, timings[best.label].get("lone_rows", best.lone_rows))
         entry = {"choice": asdict(best), "timings": timings, "model": str(source)}
         cached[key] = entry
         store.parent.mkdir(parents=True, exist_ok=True)
@@ -386,6 +378,6 @@ def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, d
         os.replace(tmp, store)
         shown = ", ".join(f"{k} {v['1_token_ms']:.0f}/{v['6_token_ms']:.0f} ms" for k, v in timings.items())
         logging.getLogger("pivotspec").info("%s on this CPU runs as %s (1-/6-token forward: %s; auto leaves float32 "
-                                            "only to save %d%%); kept in %s", name, best.label, shown,
+                                            "only to save %d%%); kept in %s", name, best, shown,
                                             round(OTHER_DTYPE_SAVING * 100), store)
     return CpuPath(**entry["choice"])

@@ -1,0 +1,79 @@
+"""Attention in float32, one query at a time, for models whose weights run in bfloat16 on a CPU: what keeps
+greedy SD equal to the target alone and batched rows equal to rows decoded alone within that dtype (see
+:func:`sdpa_in_float32`). Part of the CPU fast path (``fastpath``), apart because it owns one idea."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+FLOAT32_ATTENTION = "pivotspec_sdpa_float32"
+VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time
+
+
+def key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> list[list[int]] | None:
+    """How many leading keys each query of a block sees, when every query sees a prefix of the keys (full
+    attention over a single sequence's cache or over the batch's slot cache); None otherwise (a sliding
+    window, a float mask), where attention goes through SDPA whole."""
+    if mask is None:
+        return [[total - width + i + 1 for i in range(width)]] * rows
+    if mask.dtype != torch.bool or mask.shape[1] != 1:
+        return None
+    visible = mask[:, 0]
+    counts = visible.sum(-1)
+    if not torch.equal(visible.int().cummin(-1).values.sum(-1), counts):  # something after a hidden key
+        return None
+    return counts.tolist()
+
+
+def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention computed in float32 and returned in the model's dtype, one query at a time
+    over exactly the keys it sees, for short blocks (SD's verification, batched decode steps).
+
+    Why: PyTorch's CPU attention sums a row over all the keys of the call, masked ones included, so a query
+    computed beside later ones (SD's verification) or beside longer rows (a batch) was summed in another
+    order than the same query alone (the target's decode step). In float32 that is about 1e-7; in bfloat16
+    it moved a row by a whole bfloat16 step, and greedy SD, and batched rows, parted from the target alone
+    at near-ties (measured on the tiny test models and the testbed). Float32 makes the step rare, and the
+    per-query call makes every row the lone decode step's own computation, bit for bit; the upcast reads the
+    cache once more, small next to the weights. Prefills (a fresh cache) and sliding windows go whole."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dtype = query.dtype
+    q, k, v = query.float(), key.float(), value.float()
+    rows, width, total = q.shape[0], q.shape[-2], k.shape[-2]
+    short = width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None
+    if short and attention_mask is None and width > 1:
+        # one sequence verifying a block: one call per query over exactly its keys. (Rollouts of one prefix
+        # also come without a mask, one token wide: they go whole, as nothing compares them with batch 1.)
+        kwargs = {**kwargs, "is_causal": False}
+        lengths = key_counts(None, 1, width, total)[0]
+        out = torch.cat([sdpa_attention_forward(module, q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], None,
+                                                *args, **kwargs)[0] for i, n in enumerate(lengths)], dim=1)
+        return out.to(dtype), None
+    counts = key_counts(attention_mask, rows, width, total) if short and attention_mask is not None else None
+    if counts is not None:  # the batch's rows, each over its own keys
+        kwargs = {**kwargs, "is_causal": False}
+        out = torch.cat([torch.cat([sdpa_attention_forward(module, q[b:b + 1, :, i:i + 1], k[b:b + 1, :, :n],
+                                                           v[b:b + 1, :, :n], None, *args, **kwargs)[0]
+                                    for i, n in enumerate(counts[b])], dim=1) for b in range(rows)])
+        return out.to(dtype), None
+    mask = attention_mask
+    if mask is not None and mask.is_floating_point():
+        mask = mask.float()
+    out, weights = sdpa_attention_forward(module, q, k, v, mask, *args, **kwargs)
+    return out.to(dtype), weights
+
+
+def attention_in_float32(model: nn.Module) -> None:
+    """Make a model's attention go through :func:`sdpa_in_float32` (its masks stay SDPA's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FLOAT32_ATTENTION, sdpa_in_float32)
+    AttentionMaskInterface.register(FLOAT32_ATTENTION, sdpa_mask)
+    for config in {id(c): c for c in (model.config, getattr(model.config, "text_config", None)) if c}.values():
+        config._attn_implementation = FLOAT32_ATTENTION
