@@ -9,6 +9,7 @@ feed only the tokens the cache lacks and roll back rejected draft tokens instead
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -177,10 +178,17 @@ def cache_keyword(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` from transformers 5.24 (which still
     takes the old name with a warning), ``past_key_values`` before it. An unknown keyword would be swallowed
     by ``**kwargs`` and the model would decode without its cache, silently."""
+    forward = model.forward
+    return {cache_argument(getattr(forward, "__func__", forward)): cache}
+
+
+@functools.cache
+def cache_argument(forward: Any) -> str:
+    # Read once per forward function: ``inspect.signature`` on every call cost 0.15 ms, 4% of the testbed
+    # draft's decode step.
     import inspect
 
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 @dataclass
