@@ -1,0 +1,95 @@
+"""Classifiers of several labeling rounds scored on one yardstick: round 0's held-out problems.
+
+    python benchmarks/round_reports.py --pair testbed-hard \
+        --classifier r0=benchmarks/results/rounds/r0 --classifier r1-union-400=benchmarks/results/rounds/r1-union-400
+
+Each classifier's own report AUROC is measured on its own report split, which differs between rounds (other
+files, other problems, harder rows), so those numbers do not compare across rounds. This script scores every
+classifier on round 0's candidates (``--base``, the shipped labels file) of the problems that are held out for
+all of them: in round 0's report split and in each classifier's own report split (the splits group by
+problem, and a union's split over more problems is another permutation, so some of round 0's report problems
+train a union classifier; those are left out). It prints AUROC and PR-AUC per classifier beside the p(d)-only
+logistic reference, and how many of round 0's report problems each classifier trained on, and writes JSON.
+Features come from ``features.extract`` (cached by the training runs; float32 unless ``--dtype``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pivotspec import api
+from pivotspec.classifier import features, metrics
+from pivotspec.classifier import model as clf
+from pivotspec.classifier.training import Filters, inputs, read_label_files, reference_reports
+
+LABELS_DIR = Path("labels")
+
+
+def problem_ids(records: list[dict]) -> list[str]:
+    """Problem id of each ``group`` index that ``features.extract`` gives these records' candidates."""
+    return list(dict.fromkeys(r["problem_id"] for r in features.candidates(records)))
+
+
+def held_out(label_files: list[Path], config: dict, target: Any) -> tuple[set[str], dict, list[dict]]:
+    """Problem ids in the report split that training with ``config`` made from ``label_files``; and the
+    features (filtered) and records, as training saw them."""
+    records, key = read_label_files(label_files if len(label_files) > 1 else label_files[0], target)
+    feats = features.extract(target, records, config["layer"], cache_key=key)
+    keep = Filters(**config["filters"]).mask(feats)
+    feats = {k: v[keep] for k, v in feats.items()}
+    split = features.split_by_problem(feats["group"], seed=config.get("split_seed", 0))
+    ids = problem_ids(records)
+    return {ids[g] for g in torch.unique(feats["group"][split == 2]).tolist()}, feats, records
+
+
+def files_of(config: dict) -> list[Path]:
+    labels = config["labels"]
+    return [LABELS_DIR / name for name in labels.get("files", [labels.get("file")])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="testbed-hard")
+    ap.add_argument("--classifier", action="append", required=True, help="NAME=DIR, repeatable")
+    ap.add_argument("--base", type=Path, default=Path("labels/testbed_hard_validation.jsonl"),
+                    help="round 0's labels file, whose held-out problems every classifier is scored on")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/round_reports.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = api.load_pair(pair=args.pair, dtype=args.dtype).target
+    named = dict(item.split("=", 1) for item in args.classifier)
+    loaded = {name: clf.load(Path(d)) for name, d in named.items()}
+    base_config = next(iter(loaded.values()))[1]
+    base_held, base_feats, base_records = held_out([args.base], base_config, target)
+    own = {name: held_out(files_of(cfg), cfg, target)[0] for name, (_, cfg) in loaded.items()}
+    common = base_held.intersection(*own.values())
+    ids = problem_ids(base_records)
+    rows = torch.tensor([ids[g] in common for g in base_feats["group"].tolist()])
+    y = base_feats["labels"][rows]
+    result = {"base": str(args.base), "base_report_problems": len(base_held), "common_problems": len(common),
+              "rows": int(rows.sum()), "pivots": int(y.sum()), "classifiers": {}}
+    print(f"round 0's report split: {len(base_held)} problems; held out for every classifier: {len(common)} "
+          f"problems, {int(rows.sum())} candidates, {int(y.sum())} pivots")
+    print(f"{'classifier':16} {'AUROC':>6} {'PR-AUC':>7} {'p(d) AUROC':>11} {'trained on of them':>19}")
+    for name, (net, cfg) in loaded.items():
+        rep = metrics.report(clf.pivot_scores(net, *inputs(cfg["type"], base_feats, rows)), y)
+        refs = {k: {"columns": r["columns"], **r["model"]} for k, r in cfg.get("references", {}).items()}
+        p_d = reference_reports({"logreg_p": refs["logreg_p"]}, base_feats, rows)["logreg_p"]["auroc"]
+        trained = len(base_held - own[name])
+        result["classifiers"][name] = {"dir": named[name], "auroc": rep["auroc"], "pr_auc": rep["pr_auc"],
+                                       "p_d_auroc": p_d, "base_report_problems_trained_on": trained,
+                                       "own_report_auroc": cfg["metrics"]["report"]["auroc"]}
+        print(f"{name:16} {rep['auroc']:6.3f} {rep['pr_auc']:7.3f} {p_d:11.3f} {trained:19}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
