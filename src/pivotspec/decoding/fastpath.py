@@ -57,9 +57,10 @@ def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     """``flat @ W.T + bias`` on oneDNN-packed weights. A lone row is computed as ``lone_rows`` rows (the rest
     zeros): oneDNN may sum one row differently from two or more, and where it does the results part at
     rounding, in bfloat16 by a whole step, enough to move greedy SD away from the target alone. Whether it does,
-    and which width runs fastest, depend on the CPU and the dtype (measured on an AMD EPYC with AVX512-BF16:
-    in bfloat16 one row alone gave the many-row numbers and padding to 4 rows ran fastest; in float32 one row
-    alone parted), so :func:`choose` measures it among the exact widths (:func:`exact_lone_widths`)."""
+    and which width runs fastest, depend on the CPU, the dtype and the shapes (on an AMD EPYC with AVX512-BF16:
+    one row alone kept the many-row numbers for the testbed draft's bfloat16 weights and ran 18% faster, not
+    for the target's, where 4 rows ran 3-8% faster than 2; in float32 it parted), so :func:`choose` measures
+    it among the exact widths (:func:`exact_lone_widths`)."""
     if flat.shape[0] == 1 and lone_rows > 1:
         padded = F.pad(flat, (0, 0, 0, lone_rows - 1))
         return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:1]
