@@ -2,14 +2,15 @@
 
     python benchmarks/cpu_forwards.py --out benchmarks/results/cpu_forwards.json
 
-Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec
-number before the fast path; float32 packed; bfloat16 plain and packed, ``--dtype bfloat16``; a packed path
-once per lone-row width that keeps the many-row numbers, the widths ``fastpath.choose`` picks among): median ms of a 1-token and a 6-token forward after 64 cached tokens (interleaved
-repeats), the bytes of weights, and the time to read them once at this machine's read bandwidth, measured
-here (median of summing a 512 MB buffer). Then ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped
-classifier) on the testbed pair per path, interleaved over arith validation problems; and llama.cpp
-(llama-cpp-python from a benchmark-only environment, ``--llama-python``) decoding SmolLM2 from the shipped
-Q4_1 GGUF. Each row says how its tokens compare with float32's.
+Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec number
+before the fast path; float32 packed; bfloat16 plain and packed, ``--dtype bfloat16``; a packed path once per
+lone-row width that keeps the many-row numbers, the widths ``fastpath.choose`` picks among): median ms of a
+1-token and a 6-token forward after 64 cached tokens (interleaved repeats), the bytes of weights, and the time
+to read them once at this machine's read bandwidth, measured here (median of summing a 512 MB buffer). Then
+ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped classifier) on the testbed pair per path,
+interleaved over arith validation problems; and llama.cpp (llama-cpp-python from a benchmark-only environment,
+``--llama-python``) decoding SmolLM2 from the shipped Q4_1 GGUF. Each row says how its tokens compare with
+float32's.
 """
 
 from __future__ import annotations

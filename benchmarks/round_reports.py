@@ -6,11 +6,12 @@
 Each classifier's own report AUROC is measured on its own report split, which differs between rounds (other
 files, other problems, harder rows), so those numbers do not compare across rounds. This script scores every
 classifier on round 0's candidates (``--base``, the shipped labels file) of the problems that are held out for
-all of them: in round 0's report split and in each classifier's own report split (the splits group by
-problem, and a union's split over more problems is another permutation, so some of round 0's report problems
-train a union classifier; those are left out). It prints AUROC and PR-AUC per classifier beside the p(d)-only
-logistic reference, and how many of round 0's report problems each classifier trained on, and writes JSON.
-Features come from ``features.extract`` (cached by the training runs; float32 unless ``--dtype``).
+all of them: in round 0's report split and in each classifier's own report split (the splits group by problem;
+a union classifier trained before the ``by_round`` split drew its split as another permutation, so some of
+round 0's report problems trained it, and those are left out; one trained since holds them all out). It prints
+AUROC and PR-AUC per classifier beside the p(d)-only logistic reference, and how many of round 0's report
+problems each classifier trained on, and writes JSON. Features come from ``features.extract`` (cached by the
+training runs; float32 unless ``--dtype``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from pivotspec import api
 from pivotspec.classifier import features, metrics
 from pivotspec.classifier import model as clf
-from pivotspec.classifier.training import Filters, inputs, read_label_files, reference_reports
+from pivotspec.classifier.training import BY_PROBLEM, Filters, inputs, read_label_files, reference_reports, split_rows
 
 LABELS_DIR = Path("labels")
 
@@ -42,14 +43,22 @@ def held_out(label_files: list[Path], config: dict, target: Any) -> tuple[set[st
     feats = features.extract(target, records, config["layer"], cache_key=key)
     keep = Filters(**config["filters"]).mask(feats)
     feats = {k: v[keep] for k, v in feats.items()}
-    split = features.split_by_problem(feats["group"], seed=config.get("split_seed", 0))
+    split = split_rows(records, feats, keep, config.get("split_seed", 0), config.get("split", BY_PROBLEM))
     ids = problem_ids(records)
     return {ids[g] for g in torch.unique(feats["group"][split == 2]).tolist()}, feats, records
 
 
-def files_of(config: dict) -> list[Path]:
+def files_of(config: dict, name: str) -> list[Path]:
+    """The labels files a classifier was trained on, refused if any has changed since (a round's file that
+    grew: its split and features would not be the ones training saw)."""
     labels = config["labels"]
-    return [LABELS_DIR / name for name in labels.get("files", [labels.get("file")])]
+    files = [LABELS_DIR / f for f in labels.get("files", [labels.get("file")])]
+    trained = labels["sha256_16"] if isinstance(labels["sha256_16"], list) else labels["sha256_16"].split("+")
+    changed = [f.name for f, h in zip(files, trained, strict=True) if features.file_hash(f) != h]
+    if changed:
+        raise SystemExit(f"{name}: {', '.join(changed)} changed since it was trained (it grew or was relabeled): "
+                         "leave that classifier out or retrain it")
+    return files
 
 
 def main() -> None:
@@ -68,7 +77,7 @@ def main() -> None:
     loaded = {name: clf.load(Path(d)) for name, d in named.items()}
     base_config = next(iter(loaded.values()))[1]
     base_held, base_feats, base_records = held_out([args.base], base_config, target)
-    own = {name: held_out(files_of(cfg), cfg, target)[0] for name, (_, cfg) in loaded.items()}
+    own = {name: held_out(files_of(cfg, name), cfg, target)[0] for name, (_, cfg) in loaded.items()}
     common = base_held.intersection(*own.values())
     ids = problem_ids(base_records)
     rows = torch.tensor([ids[g] in common for g in base_feats["group"].tolist()])

@@ -287,10 +287,25 @@ def test_training_on_the_union_of_two_rounds(tiny_dir, tmp_path, capsys):
     a, b = fake_labels(tmp_path / "round0.jsonl", seed=0), fake_labels(tmp_path / "round1.jsonl", seed=1)
     assert main(["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(a), str(b),
                  "--out", str(tmp_path / "clf"), "--layer", "2", "--epochs", "50"]) == 0
-    labels = json.loads((tmp_path / "clf" / "classifier.json").read_text())["labels"]
+    config = json.loads((tmp_path / "clf" / "classifier.json").read_text())
+    labels = config["labels"]
     assert labels["files"] == ["round0.jsonl", "round1.jsonl"] and len(labels["sha256_16"]) == 2
     assert labels["candidates"] == 2 * 15 * 8 and sum(labels["rows"].values()) == 240
     assert sum(labels["problems"].values()) == 15
+    assert config["split"] == "by_round"
+
+
+def test_a_union_of_rounds_keeps_round0s_split_and_splits_new_problems_among_themselves():
+    g0 = torch.arange(20).repeat_interleave(3)  # round 0: problems 0-19, 3 rows each
+    g1 = torch.arange(10, 35).repeat_interleave(2)  # round 1: 10-19 again, and 15 new problems
+    groups, rounds = torch.cat([g0, g1]), torch.cat([torch.zeros_like(g0), torch.ones_like(g1)])
+    split = features.split_by_round(groups, rounds, seed=3)
+    assert torch.equal(split[rounds == 0], features.split_by_problem(g0, seed=3))  # as round 0 alone
+    new = groups >= 20
+    assert torch.equal(split[new], features.split_by_problem(groups[new], seed=3))
+    assert all(len(torch.unique(split[groups == g])) == 1 for g in torch.unique(groups))  # one split a problem
+    # what a permutation over the union's problems does instead: round 0's problems move
+    assert not torch.equal(features.split_by_problem(groups, seed=3)[rounds == 0], split[rounds == 0])
 
 
 def test_cached_features_are_per_dtype(tiny_dir, tmp_path, monkeypatch):

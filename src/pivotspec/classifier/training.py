@@ -113,6 +113,20 @@ def reference_reports(refs: dict[str, dict[str, Any]], feats: dict[str, torch.Te
                                  feats["labels"][mask]) for name, ref in refs.items()}
 
 
+BY_PROBLEM, BY_ROUND = "by_problem", "by_round"  # how rows are split (a classifier's config says which)
+
+
+def split_rows(records: list[dict], feats: dict[str, torch.Tensor], keep: torch.Tensor, seed: int,
+               scheme: str) -> torch.Tensor:
+    """The (filtered) rows' splits as training makes them: over a union of rounds ``by_round``
+    (``features.split_by_round``: round 0's problems split as round 0 alone would be), else ``by_problem``
+    (a permutation of all the problems; also what union classifiers trained before ``by_round`` used)."""
+    if scheme == BY_ROUND:
+        rounds = torch.tensor([r.get("source", 0) for r in features.candidates(records)])[keep]
+        return features.split_by_round(feats["group"], rounds, seed)
+    return features.split_by_problem(feats["group"], seed=seed)
+
+
 def read_label_files(labels: Path | list[Path], target: LM) -> tuple[list[dict], str]:
     """The records of one labels file, or of several (rounds of on-policy labels: their union), each checked
     against ``target``; and a cache key for their features. Candidates of the k-th file carry ``source`` k, so
@@ -146,7 +160,8 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
                              cache_key=cache_key)
     keep = filters.mask(feats)
     feats = {k: v[keep] for k, v in feats.items()}
-    split = features.split_by_problem(feats["group"], seed=split_seed)
+    scheme = BY_ROUND if isinstance(labels, list) and len(labels) > 1 else BY_PROBLEM
+    split = split_rows(records, feats, keep, split_seed, scheme)
     y = feats["labels"]
     _check_classes(y, split)
     sel, rep = split == 1, split == 2
@@ -177,7 +192,7 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
                    "rows": {name: int((split == i).sum()) for i, name in enumerate(features.SPLITS)},
                    "problems": {name: int(len(torch.unique(feats["group"][split == i])))
                                 for i, name in enumerate(features.SPLITS)}},
-        "filters": asdict(filters), "split_seed": split_seed, "seed": seed,
+        "filters": asdict(filters), "split": scheme, "split_seed": split_seed, "seed": seed,
         "training": {"epochs_max": epochs, "sweep": sweep},
         "metrics": {"report": metrics.report(rep_scores, y[rep]),
                     "report_at_sigma": metrics.at_threshold(rep_scores, y[rep], sigma),
