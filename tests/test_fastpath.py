@@ -80,7 +80,7 @@ def test_choose_times_each_exact_lone_width_and_keeps_the_fastest(tmp_path, tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
     lone_ms = {1: 3.0, 2: 5.0, 4: 1.0}  # 4 would be fastest, but it is not exact here
 
-    def time_forwards(trial, _with_cache):
+    def time_forwards(trial, _with_cache, **_kwargs):
         kernels = fastpath.packed_kernels(trial)
         return {"1_token_ms": lone_ms[kernels[0].lone_rows] if kernels else 100.0, "6_token_ms": 6.0}
 
