@@ -97,7 +97,8 @@ def add_parsers(sub: Any) -> None:
                         "expected-drop head that prices overrides for PAD's --budget.")
     add_model_args(tr)
     tr.add_argument("--labels", type=Path, nargs="+", required=True, help="labels file(s); several are trained on "
-                    "as one set (rounds of on-policy labels; a problem stays in one split across them)")
+                    "as one set (rounds of on-policy labels, in order: a problem stays in one split across them, and "
+                    "the first file's problems keep the split they get when it is trained on alone)")
     tr.add_argument("--out", type=Path, required=True, help="classifier directory (refused if it holds one, "
                     "unless --overwrite)")
     tr.add_argument("--overwrite", action="store_true", help="replace the classifier in --out")
