@@ -86,7 +86,8 @@ def main() -> None:
               "rows": int(rows.sum()), "pivots": int(y.sum()), "classifiers": {}}
     print(f"round 0's report split: {len(base_held)} problems; held out for every classifier: {len(common)} "
           f"problems, {int(rows.sum())} candidates, {int(y.sum())} pivots")
-    print(f"{'classifier':16} {'AUROC':>6} {'PR-AUC':>7} {'p(d) AUROC':>11} {'trained on of them':>19}")
+    w = max(len("classifier"), *map(len, loaded))
+    print(f"{'classifier':{w}} {'AUROC':>6} {'PR-AUC':>7} {'p(d) AUROC':>11} {'trained on of them':>19}")
     for name, (net, cfg) in loaded.items():
         rep = metrics.report(clf.pivot_scores(net, *inputs(cfg["type"], base_feats, rows)), y)
         refs = {k: {"columns": r["columns"], **r["model"]} for k, r in cfg.get("references", {}).items()}
@@ -95,7 +96,7 @@ def main() -> None:
         result["classifiers"][name] = {"dir": named[name], "auroc": rep["auroc"], "pr_auc": rep["pr_auc"],
                                        "p_d_auroc": p_d, "base_report_problems_trained_on": trained,
                                        "own_report_auroc": cfg["metrics"]["report"]["auroc"]}
-        print(f"{name:16} {rep['auroc']:6.3f} {rep['pr_auc']:7.3f} {p_d:11.3f} {trained:19}")
+        print(f"{name:{w}} {rep['auroc']:6.3f} {rep['pr_auc']:7.3f} {p_d:11.3f} {trained:19}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 
