@@ -127,6 +127,8 @@ COMPONENT_STUDIES = {
     "classifier_cv.py": ("the classifier's training internals: out-of-fold AUROC per layer and type",
                          {"pivotspec.classifier", "pivotspec.cli.classifier", "pivotspec.decoding.models",
                           "pivotspec.evaluation.reports"}),
+    "round_reports.py": ("the classifier's training splits: rounds' classifiers scored on round 0's held-out problems",
+                         {"pivotspec.classifier"}),
 }
 
 
