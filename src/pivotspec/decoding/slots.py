@@ -35,8 +35,7 @@ class SlotLayer(DynamicLayer):
         # Advanced indices on dims 0 and 2 put their [B, T] shape first: the target is [B, T, heads, dim].
         self.keys[rows, :, cols] = key_states.transpose(1, 2)
         self.values[rows, :, cols] = value_states.transpose(1, 2)
-        n = rows.shape[0]  # the rows in use; the tensors may hold spare ones for rows to join
-        return self.keys[:n, :, :width], self.values[:n, :, :width]
+        return self.keys[:, :, :width], self.values[:, :, :width]
 
 
 class SlotCache(DynamicCache):
@@ -66,12 +65,9 @@ class SlotCache(DynamicCache):
         """Make room for ``new`` more tokens in every row and fix this forward's write positions."""
         need = max(self.lengths) + new
         if need > self.capacity:
-            self._resize(self.layers[0].keys.shape[0], max(need, 2 * self.capacity, 64))
+            self._resize(len(self.lengths), max(need, 2 * self.capacity, 64))
         self._starts = torch.tensor(self.lengths, device=self._starts.device)
 
-    # The cache's tensors are made and written in inference mode only: a join or a leave writes into them in
-    # place, and torch refuses in-place writes to inference tensors outside it.
-    @torch.inference_mode()
     def _resize(self, rows: int, capacity: int) -> None:
         for layer in self.layers:
             for part in ("keys", "values"):
@@ -80,30 +76,21 @@ class SlotCache(DynamicCache):
                 new[: old.shape[0], :, : old.shape[2]] = old
                 setattr(layer, part, new)
 
-    @torch.inference_mode()
     def add_row(self, prefill: Any, length: int) -> None:
         """Append a row holding the first ``length`` positions of ``prefill``, a batch-1 HF cache (None when
-        the prompt is one token long and nothing was prefilled). Rows are allocated two for one: a join
-        used to copy the whole cache (7% of a labeling run's time, py-spy), and rows join one at a time. A
-        spare row's columns hold zeros or an earlier row's keys, which the mask hides like any column past a
-        row's length."""
-        row = len(self.lengths)
-        if row >= self.layers[0].keys.shape[0] or length + 1 > self.capacity:
-            self._resize(max(row + 1, 2 * row), max(length + 1, self.capacity, 64))
+        the prompt is one token long and nothing was prefilled)."""
+        self._resize(len(self.lengths) + 1, max(length + 1, self.capacity, 64))
         if length:
             for layer, src in zip(self.layers, prefill.layers, strict=True):
-                layer.keys[row, :, :length] = src.keys[0, :, :length]
-                layer.values[row, :, :length] = src.values[0, :, :length]
+                layer.keys[-1, :, :length] = src.keys[0, :, :length]
+                layer.values[-1, :, :length] = src.values[0, :, :length]
         self.lengths.append(length)
 
-    @torch.inference_mode()
     def keep_rows(self, keep: list[int]) -> None:
         """Drop every row not in ``keep`` (row indices, in their new order)."""
         index = torch.tensor(keep, dtype=torch.long, device=self._starts.device)
         for layer in self.layers:
-            for part in ("keys", "values"):  # the rows that stay move to the front; the spare rows stay
-                tensor = getattr(layer, part)
-                tensor[: len(keep)] = tensor[index]
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
         self.lengths = [self.lengths[i] for i in keep]
 
 
