@@ -76,6 +76,13 @@ def main() -> None:
     named = dict(item.split("=", 1) for item in args.classifier)
     loaded = {name: clf.load(Path(d)) for name, d in named.items()}
     base_config = next(iter(loaded.values()))[1]
+    # Round 0's candidates are featurized once, at the first classifier's layer and filtered by its filters:
+    # a classifier reading another layer would be scored on hidden states it was not trained on.
+    other = [name for name, (_, cfg) in loaded.items()
+             if (cfg["layer"], cfg["filters"]) != (base_config["layer"], base_config["filters"])]
+    if other:
+        raise SystemExit(f"{', '.join(other)}: another layer or other training filters than "
+                         f"{next(iter(loaded))}'s; compare classifiers of one layer and one set of filters")
     base_held, base_feats, base_records = held_out([args.base], base_config, target)
     own = {name: held_out(files_of(cfg, name), cfg, target)[0] for name, (_, cfg) in loaded.items()}
     common = base_held.intersection(*own.values())

@@ -50,10 +50,11 @@ CACHE_FILE = "fastpath.json"
 # `label` 1.08x; an AMD EPYC: it saved 55%, and they ran 1.58x and 2.47x; benchmarks/end_to_end.py).
 OTHER_DTYPE_SAVING = 0.25
 LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which are exact and fastest is measured
+LONE_ROWS = 2  # the width before it is measured (and where none is exact): what every earlier number used
 
 
 def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  lone_rows: int = 2) -> torch.Tensor:
+                  lone_rows: int = LONE_ROWS) -> torch.Tensor:
     """``flat @ W.T + bias`` on oneDNN-packed weights. A lone row is computed as ``lone_rows`` rows (the rest
     zeros): oneDNN may sum one row differently from two or more, and where it does the results part at
     rounding, in bfloat16 by a whole step, enough to move greedy SD away from the target alone. Whether it does,
@@ -82,7 +83,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = pack(linear.weight)
-        self.lone_rows = 2
+        self.lone_rows = LONE_ROWS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -105,7 +106,7 @@ class FusedLinears:
         self.packed = pack(torch.cat([lin.weight.detach() for lin in linears]))
         biases = [lin.bias for lin in linears]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-        self.lone_rows = 2
+        self.lone_rows = LONE_ROWS
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
 
@@ -233,7 +234,7 @@ class CpuPath:
 
     dtype: str
     packed: bool
-    lone_rows: int = 2
+    lone_rows: int = LONE_ROWS
 
     @property
     def label(self) -> str:
