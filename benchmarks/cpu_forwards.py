@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pivotspec import api
-from pivotspec.decoding import fastpath
+from pivotspec.decoding import fastpath, packing
 from pivotspec.decoding.fastpath import CpuPath
 
 PATHS = [CpuPath("float32", False), CpuPath("float32", True), CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
@@ -78,7 +78,7 @@ def variants(base: Any) -> dict[str, tuple[Any, int]]:
         if not p.packed:
             out[p.label] = (model, 0)
             continue
-        for width in fastpath.exact_lone_widths(model) or [p.lone_rows]:
+        for width in packing.exact_lone_widths(model) or [p.lone_rows]:
             out[f"{p.label}, lone row x{width}"] = (model, width)
     return out
 
@@ -92,8 +92,8 @@ def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
         for label in (list(models) if r % 2 == 0 else list(models)[::-1]):
             model, width = models[label]
             if width:
-                fastpath.set_lone_rows(model, width)
-            timings[label].append(fastpath.time_forwards(model, lm.with_cache, reps=3))
+                packing.set_lone_rows(model, width)
+            timings[label].append(fastpath.time_forwards(model, reps=3))
     for label, (m, _) in models.items():
         nbytes = sum(t.numel() * t.element_size() for t in m.parameters())
         one = statistics.median(t["1_token_ms"] for t in timings[label])

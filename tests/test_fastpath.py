@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from pivotspec.decoding import fastpath
+from pivotspec.decoding import fastpath, packing
 from pivotspec.decoding.acceptance import PAD, constant_classifier
-from pivotspec.decoding.fastpath import CpuPath, PackedLinear, candidates, choose, pack_linears
+from pivotspec.decoding.fastpath import CpuPath, candidates, choose
 from pivotspec.decoding.loop import decode
 from pivotspec.decoding.models import load_lm
+from pivotspec.decoding.packing import PackedLinear, pack_linears
 
 BF16 = fastpath.capabilities()["onednn_bf16"]
 needs_bf16 = pytest.mark.skipif(not BF16, reason="oneDNN runs bfloat16 natively only on CPUs with AVX512-BF16/AMX")
@@ -56,22 +57,22 @@ def test_lone_row_widths_found_exact_are_exact_and_a_parting_width_is_refused(dt
     model = nn.Sequential(nn.Linear(576, 960, bias=False), nn.Linear(960, 576, bias=True)).to(getattr(torch, dtype))
     pack_linears(model)
     x = torch.randn(6, 576, dtype=model[0].weight.dtype)
-    widths = fastpath.exact_lone_widths(model)
-    assert set(widths) <= set(fastpath.LONE_WIDTHS)
+    widths = packing.exact_lone_widths(model)
+    assert set(widths) <= set(packing.LONE_WIDTHS)
     with torch.inference_mode():
         together = model(x)
         for width in widths:  # what the probe found exact is exact on other rows too
-            fastpath.set_lone_rows(model, width)
-            assert all(k.lone_rows == width for k in fastpath.packed_kernels(model))
+            packing.set_lone_rows(model, width)
+            assert all(k.lone_rows == width for k in packing.packed_kernels(model))
             assert torch.equal(torch.cat([model(x[i:i + 1]) for i in range(6)]), together)
-    real = fastpath.packed_linear
+    real = packing.packed_linear
 
     def parting(flat, packed, bias, lone_rows=2):  # a kernel that sums a lone row of width 1 otherwise
         out = real(flat, packed, bias, lone_rows)
         return out + torch.ones_like(out) * (flat.shape[0] == 1 and lone_rows == 1)
 
-    monkeypatch.setattr(fastpath, "packed_linear", parting)
-    assert 1 not in fastpath.exact_lone_widths(model)
+    monkeypatch.setattr(packing, "packed_linear", parting)
+    assert 1 not in packing.exact_lone_widths(model)
 
 
 def test_choose_times_each_exact_lone_width_and_keeps_the_fastest(tmp_path, tiny_dir, monkeypatch):
@@ -80,20 +81,20 @@ def test_choose_times_each_exact_lone_width_and_keeps_the_fastest(tmp_path, tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
     lone_ms = {1: 3.0, 2: 5.0, 4: 1.0}  # 4 would be fastest, but it is not exact here
 
-    def time_forwards(trial, _with_cache, **_kwargs):
-        kernels = fastpath.packed_kernels(trial)
+    def time_forwards(trial, **_kwargs):
+        kernels = packing.packed_kernels(trial)
         return {"1_token_ms": lone_ms[kernels[0].lone_rows] if kernels else 100.0, "6_token_ms": 6.0}
 
     monkeypatch.setattr(fastpath, "time_forwards", time_forwards)
     monkeypatch.setattr(fastpath, "exact_lone_widths", lambda trial: [1, 2])
     store = tmp_path / "fastpath.json"
-    path = choose(model, tiny_dir["llama_target"], None, store, dtype="float32")
+    path = choose(model, tiny_dir["llama_target"], store, dtype="float32")
     assert path == CpuPath("float32", True, lone_rows=1)
     entry = next(iter(json.loads(store.read_text()).values()))
     assert entry["timings"]["float32 packed"]["lone_row_ms"] == {"1": 3.0, "2": 5.0}
-    assert choose(model, tiny_dir["llama_target"], None, store, dtype="float32") == path  # from the cache
+    assert choose(model, tiny_dir["llama_target"], store, dtype="float32") == path  # from the cache
     fastpath.convert(model, path)
-    assert {k.lone_rows for k in fastpath.packed_kernels(model)} == {1}
+    assert {k.lone_rows for k in packing.packed_kernels(model)} == {1}
 
 
 def test_packing_fuses_shared_inputs_keeps_weights_and_ties_and_computes_the_same(tmp_path):
@@ -108,8 +109,8 @@ def test_packing_fuses_shared_inputs_keeps_weights_and_ties_and_computes_the_sam
     names = sorted(n for n, _ in model.named_parameters())
     assert pack_linears(model) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert isinstance(model.model.layers[0].self_attn.k_proj, fastpath.FusedMember)
-    assert isinstance(model.model.layers[0].mlp.up_proj, fastpath.FusedMember)
+    assert isinstance(model.model.layers[0].self_attn.k_proj, packing.FusedMember)
+    assert isinstance(model.model.layers[0].mlp.up_proj, packing.FusedMember)
     assert sorted(n for n, _ in model.named_parameters()) == names  # fingerprints and state dicts unchanged
     assert model.lm_head.weight is model.model.embed_tokens.weight
     with torch.inference_mode():
@@ -143,7 +144,7 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     fake = {"float32": (3.0, 9.0), "float32 packed": (4.0, 6.0), "bfloat16": (3.0, 8.0), "bfloat16 packed": (4.0, 4.0)}
     calls = []
 
-    def measure(_model, _with_cache, paths):
+    def measure(_model, paths):
         calls.append([p.label for p in paths])
         return {p.label: {"1_token_ms": fake[p.label][0], "6_token_ms": fake[p.label][1]} for p in paths}
 
@@ -151,7 +152,7 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     monkeypatch.setattr(fastpath, "capabilities", lambda: {"cpu": "test", "isa": "AVX512", "avx512_bf16": True,
                                                            "amx_bf16": False, "onednn_bf16": True})
     store = tmp_path / "fastpath.json"
-    args = (model, tiny_dir["llama_target"], None, store)
+    args = (model, tiny_dir["llama_target"], store)
     assert choose(*args, dtype="float32") == CpuPath("float32", True)  # least 1-token + 6-token time
     assert choose(*args, dtype="float32") == CpuPath("float32", True)
     assert len(calls) == 1  # the second answer came from the cache
@@ -192,7 +193,7 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     lm = load_lm(str(tiny_dir["llama_draft"]), dtype="auto")
     entry = next(iter(json.loads((tmp_path / fastpath.CACHE_FILE).read_text()).values()))
     assert str(lm.model.dtype).removeprefix("torch.") == entry["choice"]["dtype"]
-    assert fastpath.is_packed(lm.model) == entry["choice"]["packed"]
+    assert packing.is_packed(lm.model) == entry["choice"]["packed"]
     other = load_lm(str(tiny_dir["llama_draft"]), dtype="float32" if entry["choice"]["dtype"] != "float32"
                     else "bfloat16")
     a, b = model_identity(lm), model_identity(other)
@@ -222,7 +223,7 @@ def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16():
     from pivotspec.tasks import encode_problem
 
     pair = api.load_pair(pair="testbed", dtype="bfloat16")
-    assert fastpath.is_packed(pair.target.model)
+    assert packing.is_packed(pair.target.model)
     task = api.get_task("arith")
     pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     for problem in task.problems("validation", 4):

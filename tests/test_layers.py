@@ -123,7 +123,7 @@ COMPONENT_STUDIES = {
     "labeling_speed.py": ("the rollout engine alone: batched against one prefix at a time",
                           {"pivotspec.decoding", "pivotspec.labels", "pivotspec.tasks"}),
     "cpu_forwards.py": ("the CPU kernels themselves: forwards per dtype and packing, llama.cpp beside them",
-                        {"pivotspec.decoding.fastpath", "pivotspec.decoding.models"}),
+                        {"pivotspec.decoding.fastpath", "pivotspec.decoding.packing", "pivotspec.decoding.models"}),
     "classifier_cv.py": ("the classifier's training internals: out-of-fold AUROC per layer and type",
                          {"pivotspec.classifier", "pivotspec.cli.classifier", "pivotspec.decoding.models",
                           "pivotspec.evaluation.reports"}),

@@ -25,6 +25,7 @@ import torch
 
 from pivotspec.decoding.acceptance import Context, Lossless, for_answer
 from pivotspec.decoding.drafting import Proposal, fit_vocab
+from pivotspec.decoding.forward import model_forward
 from pivotspec.decoding.loop import (
     Generation,
     Stopper,
@@ -269,27 +270,21 @@ class Batch:
         dtype = next(lm.model.parameters()).dtype
         masks = attention_masks(lm.model.config, cache.lengths, width, max(cache.lengths) + width, lm.device, dtype)
         positions = torch.tensor(cache.lengths, device=lm.device)[:, None] + torch.arange(width, device=lm.device)
-        captured: dict[int, torch.Tensor] = {}
-        handles = [lm.model.model.layers[lm.resolve_layer(layer) - 1].register_forward_hook(
-            lambda _m, _i, out, layer=layer: captured.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
-            for layer in layers]
         synchronize(lm.device)
         start = time.perf_counter()
-        try:
-            out = lm.model(input_ids=ids if lm.input_map is None else lm.input_map[ids], attention_mask=masks,
-                           position_ids=positions, **lm.with_cache(cache), use_cache=True, logits_to_keep=width)
-        finally:
-            for h in handles:
-                h.remove()
+        out, captured = model_forward(lm.model, ids if lm.input_map is None else lm.input_map[ids], cache, keep=width,
+                                      attention_mask=masks, position_ids=positions,
+                                      layers=tuple(lm.resolve_layer(layer) for layer in layers))
+        hidden_of = {layer: captured[lm.resolve_layer(layer)] for layer in layers}
         synchronize(lm.device)
         lm.forward_s += time.perf_counter() - start
         logits: list[torch.Tensor | None] = []
         hidden: list[dict[int, torch.Tensor]] = []
         for b, (row, f) in enumerate(zip(self.rows, feeds, strict=True)):
             kept = slice(len(f) - keep[b], len(f))  # the fed tokens are left-aligned, padding after them
-            rows = out.logits[b, kept].float() if f else None
+            rows = out[b, kept].float() if f else None
             logits.append(lm.full_vocab(rows) if full_vocab and f else rows)
-            hidden.append({layer: h[b, kept].float() for layer, h in captured.items()} if f else {})
+            hidden.append({layer: h[b, kept].float() for layer, h in hidden_of.items()} if f else {})
             row.cached[id(lm)].extend(f)
             cache.lengths[b] += len(f)
         return logits, hidden

@@ -2,12 +2,8 @@
 measurement and cached per machine and model.
 
 Why: a transformer's decode step on a CPU is a stream of matrix-vector products, bound by reading the
-weights. PyTorch's plain ``F.linear`` reaches about a third of the read bandwidth at one row (measured: a
-bfloat16 576x1536 layer at 8 GB/s against 28 GB/s for a sum over the same bytes), because it hands oneDNN
-the weights in their stored layout on every call and one row of bfloat16 goes through a slow path.
-:class:`PackedLinear` reorders each weight once into oneDNN's blocked layout (what ``torch.compile``'s
-freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
-brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
+weights, and PyTorch's plain kernels read them at about a third of the bandwidth; the packed oneDNN linears
+(``packing``) and, for Llama-family models, a lean forward (``forward``) come closer.
 
 Which kernels win depends on the CPU and on the model's shapes, so :func:`choose` times 1- and 6-token
 forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
@@ -36,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pivotspec.decoding.attention import attention_in_float32
+from pivotspec.decoding.forward import make_lean, model_forward
+from pivotspec.decoding.packing import LONE_ROWS, LONE_WIDTHS, exact_lone_widths, pack_linears, set_lone_rows
 from pivotspec.errors import UsageError
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,148 +46,6 @@ CACHE_FILE = "fastpath.json"
 # with AVX512-BF16: packed bfloat16 saved 12-20% of the 1- plus 6-token forward time, and `demo` ran 1.03x,
 # `label` 1.08x; an AMD EPYC: it saved 55%, and they ran 1.58x and 2.47x; benchmarks/end_to_end.py).
 OTHER_DTYPE_SAVING = 0.25
-LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which are exact and fastest is measured
-LONE_ROWS = 2  # the width before it is measured (and where none is exact): what every earlier number used
-
-
-def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  lone_rows: int = LONE_ROWS) -> torch.Tensor:
-    """``flat @ W.T + bias`` on oneDNN-packed weights. A lone row is computed as ``lone_rows`` rows (the rest
-    zeros): oneDNN may sum one row differently from two or more, and where it does the results part at
-    rounding, in bfloat16 by a whole step, enough to move greedy SD away from the target alone. Whether it does,
-    and which width runs fastest, depend on the CPU, the dtype and the shapes (on an AMD EPYC with AVX512-BF16:
-    one row alone kept the many-row numbers for the testbed draft's bfloat16 weights and ran 18% faster, not
-    for the target's, where 4 rows ran 3-8% faster than 2; in float32 it parted), so :func:`choose` measures
-    it among the exact widths (:func:`exact_lone_widths`)."""
-    if flat.shape[0] == 1 and lone_rows > 1:
-        padded = F.pad(flat, (0, 0, 0, lone_rows - 1))
-        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:1]
-    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    # The batch-size hint only guides oneDNN's blocking; any number of rows runs on the packed weight.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-
-
-class PackedLinear(nn.Module):
-    """``nn.Linear`` whose weight is also held in oneDNN's prepacked layout. The original parameter stays
-    (shared, so a lm_head tied to the embeddings stays tied, and fingerprints and state dicts see it)."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack(linear.weight)
-        self.lone_rows = LONE_ROWS
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.weight.dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.lone_rows)
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-class FusedLinears:
-    """Linears that read the same input (attention's q, k and v; the MLP's gate and up) as one packed
-    matrix: one oneDNN call instead of three or two. Measured: the 210 separate calls of a 30-layer
-    SmolLM2-shaped stack took 1.7x the time of the 120 fused ones at one row, the weights being the same bytes.
-    The first member called with an input computes every member's output; the others take their slice."""
-
-    def __init__(self, linears: list[nn.Linear]):
-        self.sizes = [lin.out_features for lin in linears]
-        self.in_features, self.dtype = linears[0].in_features, linears[0].weight.dtype
-        self.packed = pack(torch.cat([lin.weight.detach() for lin in linears]))
-        biases = [lin.bias for lin in linears]
-        self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
-        self.lone_rows = LONE_ROWS
-        self._input: torch.Tensor | None = None
-        self._outputs: list[torch.Tensor] = []
-
-    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        if self._input is not x:  # a new input: compute every member's output once
-            out = packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.lone_rows)
-            self._outputs = [part.reshape(*x.shape[:-1], part.shape[-1]) for part in out.split(self.sizes, -1)]
-            self._input = x
-        return self._outputs[index]
-
-
-class FusedMember(nn.Module):
-    """One linear of a :class:`FusedLinears` group, in its place (its parameters stay registered)."""
-
-    def __init__(self, linear: nn.Linear, group: FusedLinears, index: int):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group, self.index = group, index
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.output(self.index, x)
-        if self.index == len(self.group.sizes) - 1:  # the last member: let go of the input and outputs
-            self.group._input, self.group._outputs = None, []
-        return out
-
-
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that read one input in HF models
-
-
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a CPU model by a packed one, fusing the groups in ``FUSED`` that a module
-    holds (members must agree on input width and on having a bias); returns how many linears were replaced."""
-    replaced = 0
-    for module in list(model.modules()):
-        for names in FUSED:
-            linears = [getattr(module, n, None) for n in names]
-            if (all(type(lin) is nn.Linear for lin in linears) and len({lin.in_features for lin in linears}) == 1
-                    and len({lin.bias is None for lin in linears}) == 1):
-                group = FusedLinears(linears)
-                for i, (name, lin) in enumerate(zip(names, linears, strict=True)):
-                    setattr(module, name, FusedMember(lin, group, i))
-                replaced += len(names)
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod))
-    return replaced + len(targets)
-
-
-def is_packed(model: nn.Module) -> bool:
-    return any(isinstance(m, (PackedLinear, FusedMember)) for m in model.modules())
-
-
-def packed_kernels(model: nn.Module) -> list[PackedLinear | FusedLinears]:
-    """Each packed weight of ``model`` once: its packed linears and fused groups."""
-    kernels = {}
-    for m in model.modules():
-        if isinstance(m, PackedLinear):
-            kernels[id(m)] = m
-        elif isinstance(m, FusedMember):
-            kernels[id(m.group)] = m.group
-    return list(kernels.values())
-
-
-def set_lone_rows(model: nn.Module, rows: int) -> None:
-    for kernel in packed_kernels(model):
-        kernel.lone_rows = rows
-
-
-def exact_lone_widths(model: nn.Module, widths: tuple[int, ...] = LONE_WIDTHS, rows: int = 6) -> list[int]:
-    """The widths at which a lone row gets, bit for bit, the numbers that a block of ``rows`` rows gives it, for
-    every packed weight of ``model`` (probed with seeded random rows): the widths that keep greedy SD equal to
-    the target alone and batched rows equal to rows alone."""
-    gen = torch.Generator().manual_seed(0)
-    probes = [(k, torch.randn(rows, k.in_features, generator=gen).to(k.dtype)) for k in packed_kernels(model)]
-    exact = []
-    with torch.inference_mode():
-        for width in widths:
-            if all(torch.equal(packed_linear(x, k.packed, k.bias),
-                               torch.cat([packed_linear(x[i:i + 1], k.packed, k.bias, width) for i in range(rows)]))
-                   for k, x in probes):
-                exact.append(width)
-    return exact
 
 
 def cpu_name() -> str:
@@ -286,7 +141,7 @@ def machine_key() -> str:
     return f"{caps['cpu']}|{caps['isa']}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 
-def time_forwards(model: nn.Module, with_cache: Any, reps: int = 7, context: int = 64) -> dict[str, float]:
+def time_forwards(model: nn.Module, reps: int = 7, context: int = 64) -> dict[str, float]:
     """Median ms of a 1-token and a 6-token forward after ``context`` cached tokens (the decode step and SD's
     verification at gamma 5), each rep on a fresh cache of the same contents."""
     from pivotspec.decoding.kvcache import growing_cache
@@ -300,26 +155,28 @@ def time_forwards(model: nn.Module, with_cache: Any, reps: int = 7, context: int
             times = []
             for _ in range(reps + 2):
                 cache = growing_cache(model.config)
-                model(input_ids=prompt, **with_cache(cache), use_cache=True, logits_to_keep=1)
+                model_forward(model, prompt, cache)
                 start = time.perf_counter()
-                model(input_ids=step, **with_cache(cache), use_cache=True, logits_to_keep=width)
+                model_forward(model, step, cache, keep=width)
                 times.append(time.perf_counter() - start)
             out[f"{width}_token_ms"] = statistics.median(times[2:]) * 1e3
     return out
 
 
 def convert(model: nn.Module, path: CpuPath) -> nn.Module:
-    """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked."""
+    """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked, giving a plain Llama the lean
+    forward over them (``forward.make_lean``)."""
     model.to(FLOAT_DTYPES[path.dtype])
     if path.dtype != "float32":
         attention_in_float32(model)
     if path.packed:
         pack_linears(model)
         set_lone_rows(model, path.lone_rows)
+        make_lean(model)
     return model
 
 
-def measure(model: nn.Module, with_cache: Any, paths: list[CpuPath]) -> dict[str, dict[str, Any]]:
+def measure(model: nn.Module, paths: list[CpuPath]) -> dict[str, dict[str, Any]]:
     """Forward timings of each path on copies of ``model`` (a float32 CPU model, left as it is). A packed path
     is timed at each exact lone-row width (:func:`exact_lone_widths`) and reports its fastest, as
     ``lone_rows``, with every width's 1-token ms in ``lone_row_ms``."""
@@ -327,7 +184,7 @@ def measure(model: nn.Module, with_cache: Any, paths: list[CpuPath]) -> dict[str
     for path in paths:
         trial = convert(copy.deepcopy(model), path)
         if not path.packed:
-            results[path.label] = time_forwards(trial, with_cache)
+            results[path.label] = time_forwards(trial)
             continue
         # Widths interleaved, 3 rounds: timed one after another, 7 forwards each, the verdicts moved with the
         # VM's noise (2 rows 44.9 against 4 rows 33.3 ms in one load, 32.9 against 37.6 in another).
@@ -336,7 +193,7 @@ def measure(model: nn.Module, with_cache: Any, paths: list[CpuPath]) -> dict[str
         for _ in range(3):
             for width in widths:
                 set_lone_rows(trial, width)
-                runs[width].append(time_forwards(trial, with_cache, reps=3))
+                runs[width].append(time_forwards(trial, reps=3))
         by_width = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items()}
         width = min(by_width, key=lambda w: by_width[w]["1_token_ms"])
         results[path.label] = {**by_width[width], "lone_rows": width,
@@ -345,7 +202,7 @@ def measure(model: nn.Module, with_cache: Any, paths: list[CpuPath]) -> dict[str
     return results
 
 
-def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, dtype: str | None = None,
+def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None = None,
            name: str = "model") -> CpuPath:
     """The fastest path for this float32 CPU ``model`` (read from the cache, or measured once and cached):
     the least time for a 1-token plus a 6-token forward, where auto takes another dtype than float32 only
@@ -361,7 +218,8 @@ def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, d
     if len(paths) == 1:
         return paths[0]
     rule = f"|other dtypes save {OTHER_DTYPE_SAVING}" if len({p.dtype for p in paths}) > 1 else ""
-    rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}" if any(p.packed for p in paths) else ""
+    # "lean": packed paths run the lean Llama forward (``forward``), so verdicts timed before it are timed again
+    rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}|lean" if any(p.packed for p in paths) else ""
     key = f"{machine_key()}|{model_key(source)}|{','.join(p.label for p in paths)}{rule}"
     try:
         cached = json.loads(store.read_text())
@@ -369,7 +227,7 @@ def choose(model: nn.Module, source: Path | str, with_cache: Any, store: Path, d
         cached = {}
     entry = cached.get(key)
     if entry is None:
-        timings = measure(model, with_cache, paths)
+        timings = measure(model, paths)
 
         def cost(p: CpuPath) -> float:
             ms = timings[p.label]["1_token_ms"] + timings[p.label]["6_token_ms"]

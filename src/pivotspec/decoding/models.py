@@ -9,7 +9,6 @@ feed only the tokens the cache lacks and roll back rejected draft tokens instead
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pivotspec.decoding.forward import cache_keyword, model_forward
 from pivotspec.decoding.sampling import argmax
 from pivotspec.errors import UsageError
 from pivotspec.store import content_digest
@@ -174,23 +174,6 @@ def resolve(spec: str) -> tuple[Path | str, str | None]:
     return spec, None  # a hub id: loaded with local_files_only=True, so it must be in the local HF cache
 
 
-def cache_keyword(model: Any, cache: Any) -> dict[str, Any]:
-    """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` from transformers 5.24 (which still
-    takes the old name with a warning), ``past_key_values`` before it. An unknown keyword would be swallowed
-    by ``**kwargs`` and the model would decode without its cache, silently."""
-    forward = model.forward
-    return {cache_argument(getattr(forward, "__func__", forward)): cache}
-
-
-@functools.cache
-def cache_argument(forward: Any) -> str:
-    # Read once per forward function: ``inspect.signature`` on every call cost 0.15 ms, 4% of the testbed
-    # draft's decode step.
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
 @dataclass
 class LM:
     """A causal LM with its tokenizer, one KV cache and the ids that cache holds."""
@@ -274,33 +257,19 @@ class LM:
         convention: 1 = after the first block, -1 = the top block) for those positions."""
         if self.cache is None:
             self.reset()
-        captured: list[torch.Tensor] = []
-        handle = None
-        if hidden_layer is not None:
-            block = self.model.model.layers[self.resolve_layer(hidden_layer) - 1]
-            handle = block.register_forward_hook(
-                lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
-            )
+        layers = (self.resolve_layer(hidden_layer),) if hidden_layer is not None else ()
+        inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
         synchronize(self.device)
         start = time.perf_counter()
-        try:
-            inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
-            out = self.model(
-                input_ids=inputs if self.input_map is None else self.input_map[inputs],
-                **self.with_cache(self.cache),
-                use_cache=True,
-                logits_to_keep=max(keep_logits, 1),
-            )
-        finally:
-            if handle is not None:
-                handle.remove()
+        out, captured = model_forward(self.model, inputs if self.input_map is None else self.input_map[inputs],
+                                      self.cache, keep=max(keep_logits, 1), layers=layers)
         synchronize(self.device)
         self.forward_s += time.perf_counter() - start
         self.cached_ids.extend(ids)
-        logits = out.logits[0, -keep_logits:].float() if keep_logits > 0 else None
+        logits = out[0, -keep_logits:].float() if keep_logits > 0 else None
         if logits is not None and full_vocab:
             logits = self.full_vocab(logits)
-        hidden = captured[0][0, -keep_logits:].float() if captured and keep_logits > 0 else None
+        hidden = captured[layers[0]][0].float() if layers and keep_logits > 0 else None
         return logits, hidden
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -364,7 +333,7 @@ def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None,
         raise UsageError(f"cannot load model {spec!r} ({first}): give a local directory or a registered name") from exc
     model.to(dev).eval()
     if dev.type == "cpu":
-        path = choose(model, source, lambda c: cache_keyword(model, c), cache_dir() / CACHE_FILE,
+        path = choose(model, source, cache_dir() / CACHE_FILE,
                       None if dtype == "auto" else dtype, spec)
         convert(model, path)
     map_file = Path(source) / VOCAB_MAP_FILE if isinstance(source, Path) else None

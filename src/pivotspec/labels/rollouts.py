@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pivotspec.decoding.forward import model_forward
 from pivotspec.decoding.models import LM
 from pivotspec.decoding.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from pivotspec.errors import UsageError
@@ -154,13 +155,11 @@ def _decode_rows(lm: LM, requests: list[RolloutRequest], cache: Any, mask: torch
             cache.batch_select_indices(index)
             mask, position = (mask[index] if mask is not None else None), position[index]
         inputs = torch.tensor([[outs[i][-1]] for i in batch], device=lm.device)
-        extra: dict[str, Any] = {}
         if mask is not None:
             mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype, device=mask.device)], dim=1)
-            extra = {"attention_mask": mask, "position_ids": position[:, None]}
         model_inputs = inputs if lm.input_map is None else lm.input_map[inputs]
-        logits = lm.model(input_ids=model_inputs, **lm.with_cache(cache), use_cache=True, logits_to_keep=1,
-                          **extra).logits[:, -1]
+        logits = model_forward(lm.model, model_inputs, cache, attention_mask=mask,
+                               position_ids=position[:, None] if mask is not None else None)[0][:, -1]
         position = position + 1
         for k, request in enumerate(requests):  # each request samples its own live rows with its own generator
             rows = [j for j, i in enumerate(batch) if i in live and owner[i] == k]

@@ -1,0 +1,163 @@
+"""One forward of a causal LM over a KV cache, returning the logits and hidden states the decoding loops need.
+
+Where the CPU fast path packed a Llama-family model's linears (``fastpath``), the forward runs a lean copy of
+transformers' Llama forward (:class:`LeanLlama`): the same operations in the same order, so the same numbers
+bit for bit (tested), without what a general library needs and a decode step does not: a module call per
+norm, attention, MLP and linear with its hooks and keyword plumbing, output records, a hook to read a hidden
+state. Why: on the testbed target (30 layers, packed bfloat16) transformers' decode step spent about 7 of its
+29 ms in Python between the kernels (torch.profiler); the lean step ran 16-19% faster for 1 and 6 new tokens
+(benchmarks/cpu_forwards.py). Every other model, and every model off the CPU, goes through transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pivotspec.decoding.packing import FusedMember, PackedLinear, kernel_of, packed_linear
+
+LEAN = "_pivotspec_lean"  # the attribute that holds a model's lean forward
+
+
+def cache_keyword(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` from transformers 5.24 (which still
+    takes the old name with a warning), ``past_key_values`` before it. An unknown keyword would be swallowed
+    by ``**kwargs`` and the model would decode without its cache, silently."""
+    forward = model.forward
+    return {cache_argument(getattr(forward, "__func__", forward)): cache}
+
+
+@functools.cache
+def cache_argument(forward: Any) -> str:
+    # Read once per forward function: ``inspect.signature`` on every call cost 0.15 ms, 4% of the testbed
+    # draft's decode step.
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's computation, op for op (float32 inside, the input's dtype out)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding as transformers applies it (``x * cos + rotate_half(x) * sin``)."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class LeanLlama:
+    """transformers' ``LlamaForCausalLM`` forward over packed linears, as straight-line code. It reads the
+    model's own modules (weights, rotary embedding, attention function and mask builder), so it computes what
+    the model computes; only the call structure is flattened."""
+
+    def __init__(self, model: nn.Module):
+        config, body = model.config, model.model
+        self.model, self.config, self.body = model, config, body
+        attn = body.layers[0].self_attn
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.inter = config.intermediate_size
+        self.layers = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                        kernel_of(layer.self_attn.q_proj), kernel_of(layer.self_attn.o_proj),
+                        layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                        kernel_of(layer.mlp.gate_proj), kernel_of(layer.mlp.down_proj), layer.self_attn)
+                       for layer in body.layers]
+        self.head = kernel_of(model.lm_head)
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None, keep: int, layers: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        from transformers.masking_utils import create_causal_mask
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        body, config = self.body, self.config
+        rows, width = input_ids.shape
+        x = body.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = (torch.arange(width, device=x.device) + cache.get_seq_length()).unsqueeze(0)
+        mask = create_causal_mask(config=config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+                                  position_ids=position_ids)
+        cos, sin = body.rotary_emb(x, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        split = (rows, width, -1, self.head_dim)
+        q_size, kv_end, inter = self.q_size, self.q_size + self.kv_size, self.inter
+        captured: dict[int, torch.Tensor] = {}
+        for index, (w_in, eps_in, qkv, out, w_post, eps_post, gate_up, down, module) in enumerate(self.layers):
+            flat = rms_norm(x, w_in, eps_in).reshape(rows * width, -1)
+            fused = qkv.compute(flat)
+            q = rotate(fused[:, :q_size].view(split).transpose(1, 2), cos, sin)
+            k = rotate(fused[:, q_size:kv_end].view(split).transpose(1, 2), cos, sin)
+            v = fused[:, kv_end:].view(split).transpose(1, 2)
+            k, v = cache.update(k, v, index)
+            heads, _ = attention(module, q, k, v, mask, dropout=0.0, scaling=module.scaling)
+            x = x + out.compute(heads.reshape(rows * width, -1).contiguous()).view(rows, width, -1)
+            hidden = gate_up.compute(rms_norm(x, w_post, eps_post).reshape(rows * width, -1))
+            x = x + down.compute(F.silu(hidden[:, :inter]) * hidden[:, inter:]).view(rows, width, -1)
+            if index + 1 in layers:
+                captured[index + 1] = x[:, width - keep:]
+        final = body.norm
+        last = rms_norm(x[:, width - keep:], final.weight, final.variance_epsilon)
+        logits = packed_linear(last.reshape(rows * keep, -1), self.head.packed, self.head.bias, self.head.lone_rows)
+        return logits.view(rows, keep, -1), captured
+
+
+def lean_supported(model: nn.Module) -> bool:
+    """Whether :class:`LeanLlama` computes this model: a plain Llama (SiLU MLP, default or scaled rotary
+    embedding, no tensor-parallel split) whose linears are all packed, fused where they share an input."""
+    config = model.config
+    if type(model).__name__ != "LlamaForCausalLM" or getattr(config, "hidden_act", None) != "silu":
+        return False
+    if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
+        return False
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (isinstance(attn.q_proj, FusedMember) and attn.q_proj.index == 0 and len(attn.q_proj.group.sizes) == 3
+                and isinstance(mlp.gate_proj, FusedMember) and len(mlp.gate_proj.group.sizes) == 2
+                and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)):
+            return False
+    return isinstance(model.lm_head, PackedLinear)
+
+
+def make_lean(model: nn.Module) -> bool:
+    """Give ``model`` a lean forward if it qualifies (:func:`lean_supported`); returns whether it did."""
+    if not lean_supported(model):
+        return False
+    setattr(model, LEAN, LeanLlama(model))
+    return True
+
+
+def is_lean(model: nn.Module) -> bool:
+    return getattr(model, LEAN, None) is not None
+
+
+def model_forward(model: nn.Module, input_ids: torch.Tensor, cache: Any, *, keep: int = 1,
+                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                  layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Feed ``input_ids`` [rows, width] through ``model`` over ``cache``; return the logits of the last
+    ``keep`` positions [rows, keep, vocab] in the model's dtype, and the hidden states there after each block
+    in ``layers`` (1 = after the first block, HF's ``hidden_states`` convention) [rows, keep, d]."""
+    lean = getattr(model, LEAN, None)
+    if lean is not None:
+        return lean(input_ids, cache, attention_mask, position_ids, keep, layers)
+    captured: dict[int, torch.Tensor] = {}
+    handles = [model.model.layers[layer - 1].register_forward_hook(
+        lambda _m, _i, out, layer=layer: captured.__setitem__(layer, out[0] if isinstance(out, tuple) else out))
+        for layer in layers]
+    extra = {k: v for k, v in (("attention_mask", attention_mask), ("position_ids", position_ids)) if v is not None}
+    try:
+        out = model(input_ids=input_ids, **cache_keyword(model, cache), use_cache=True, logits_to_keep=keep, **extra)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out.logits[:, -keep:], {layer: h[:, -keep:] for layer, h in captured.items()}

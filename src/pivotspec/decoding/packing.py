@@ -1,0 +1,171 @@
+"""Linears on oneDNN-packed weights: the kernels of the CPU fast path (``fastpath`` chooses whether a model
+uses them, and at which lone-row width).
+
+Why: PyTorch's plain ``F.linear`` reaches about a third of the read bandwidth at one row (measured: a
+bfloat16 576x1536 layer at 8 GB/s against 28 GB/s for a sum over the same bytes), because it hands oneDNN
+the weights in their stored layout on every call and one row of bfloat16 goes through a slow path.
+:class:`PackedLinear` reorders each weight once into oneDNN's blocked layout (what ``torch.compile``'s
+freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
+brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which are exact and fastest is measured
+LONE_ROWS = 2  # the width before it is measured (and where none is exact): what every earlier number used
+
+
+def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  lone_rows: int = LONE_ROWS) -> torch.Tensor:
+    """``flat @ W.T + bias`` on oneDNN-packed weights. A lone row is computed as ``lone_rows`` rows (the rest
+    zeros): oneDNN may sum one row differently from two or more, and where it does the results part at
+    rounding, in bfloat16 by a whole step, enough to move greedy SD away from the target alone. Whether it does,
+    and which width runs fastest, depend on the CPU, the dtype and the shapes (on an AMD EPYC with AVX512-BF16:
+    one row alone kept the many-row numbers for the testbed draft's bfloat16 weights and ran 18% faster, not
+    for the target's, where 4 rows ran 3-8% faster than 2; in float32 it parted), so :func:`choose` measures
+    it among the exact widths (:func:`exact_lone_widths`)."""
+    if flat.shape[0] == 1 and lone_rows > 1:
+        padded = F.pad(flat, (0, 0, 0, lone_rows - 1))
+        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    # The batch-size hint only guides oneDNN's blocking; any number of rows runs on the packed weight.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` whose weight is also held in oneDNN's prepacked layout. The original parameter stays
+    (shared, so a lm_head tied to the embeddings stays tied, and fingerprints and state dicts see it)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = pack(linear.weight)
+        self.lone_rows = LONE_ROWS
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def compute(self, flat: torch.Tensor) -> torch.Tensor:
+        """The layer on a [rows, in_features] input."""
+        return packed_linear(flat, self.packed, self.bias, self.lone_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.compute(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+
+
+class FusedLinears:
+    """Linears that read the same input (attention's q, k and v; the MLP's gate and up) as one packed
+    matrix: one oneDNN call instead of three or two. Measured: the 210 separate calls of a 30-layer
+    SmolLM2-shaped stack took 1.7x the time of the 120 fused ones at one row, the weights being the same bytes.
+    The first member called with an input computes every member's output; the others take their slice."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.sizes = [lin.out_features for lin in linears]
+        self.in_features, self.dtype = linears[0].in_features, linears[0].weight.dtype
+        self.packed = pack(torch.cat([lin.weight.detach() for lin in linears]))
+        biases = [lin.bias for lin in linears]
+        self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+        self.lone_rows = LONE_ROWS
+        self._input: torch.Tensor | None = None
+        self._outputs: list[torch.Tensor] = []
+
+    def compute(self, flat: torch.Tensor) -> torch.Tensor:
+        """Every member's output on a [rows, in_features] input, side by side."""
+        return packed_linear(flat, self.packed, self.bias, self.lone_rows)
+
+    def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x:  # a new input: compute every member's output once
+            out = self.compute(x.reshape(-1, x.shape[-1]))
+            self._outputs = [part.reshape(*x.shape[:-1], part.shape[-1]) for part in out.split(self.sizes, -1)]
+            self._input = x
+        return self._outputs[index]
+
+
+class FusedMember(nn.Module):
+    """One linear of a :class:`FusedLinears` group, in its place (its parameters stay registered)."""
+
+    def __init__(self, linear: nn.Linear, group: FusedLinears, index: int):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group, self.index = group, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.group.output(self.index, x)
+        if self.index == len(self.group.sizes) - 1:  # the last member: let go of the input and outputs
+            self.group._input, self.group._outputs = None, []
+        return out
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that read one input in HF models
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of a CPU model by a packed one, fusing the groups in ``FUSED`` that a module
+    holds (members must agree on input width and on having a bias); returns how many linears were replaced."""
+    replaced = 0
+    for module in list(model.modules()):
+        for names in FUSED:
+            linears = [getattr(module, n, None) for n in names]
+            if (all(type(lin) is nn.Linear for lin in linears) and len({lin.in_features for lin in linears}) == 1
+                    and len({lin.bias is None for lin in linears}) == 1):
+                group = FusedLinears(linears)
+                for i, (name, lin) in enumerate(zip(names, linears, strict=True)):
+                    setattr(module, name, FusedMember(lin, group, i))
+                replaced += len(names)
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod))
+    return replaced + len(targets)
+
+
+def is_packed(model: nn.Module) -> bool:
+    return any(isinstance(m, (PackedLinear, FusedMember)) for m in model.modules())
+
+
+def kernel_of(linear: nn.Module) -> PackedLinear | FusedLinears:
+    """The packed weight a packed linear computes with: its own, or its fused group's."""
+    return linear.group if isinstance(linear, FusedMember) else linear
+
+
+def packed_kernels(model: nn.Module) -> list[PackedLinear | FusedLinears]:
+    """Each packed weight of ``model`` once: its packed linears and fused groups."""
+    kernels = {}
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            kernels[id(m)] = m
+        elif isinstance(m, FusedMember):
+            kernels[id(m.group)] = m.group
+    return list(kernels.values())
+
+
+def set_lone_rows(model: nn.Module, rows: int) -> None:
+    for kernel in packed_kernels(model):
+        kernel.lone_rows = rows
+
+
+def exact_lone_widths(model: nn.Module, widths: tuple[int, ...] = LONE_WIDTHS, rows: int = 6) -> list[int]:
+    """The widths at which a lone row gets, bit for bit, the numbers that a block of ``rows`` rows gives it, for
+    every packed weight of ``model`` (probed with seeded random rows): the widths that keep greedy SD equal to
+    the target alone and batched rows equal to rows alone."""
+    gen = torch.Generator().manual_seed(0)
+    probes = [(k, torch.randn(rows, k.in_features, generator=gen).to(k.dtype)) for k in packed_kernels(model)]
+    exact = []
+    with torch.inference_mode():
+        for width in widths:
+            if all(torch.equal(packed_linear(x, k.packed, k.bias),
+                               torch.cat([packed_linear(x[i:i + 1], k.packed, k.bias, width) for i in range(rows)]))
+                   for k, x in probes):
+                exact.append(width)
+    return exact
