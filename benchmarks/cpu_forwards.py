@@ -4,7 +4,8 @@
 
 Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec number
 before the fast path; float32 packed; bfloat16 plain and packed, ``--dtype bfloat16``; a packed path once per
-lone-row width that keeps the many-row numbers, the widths ``fastpath.choose`` picks among): median ms of a
+lone-row width that keeps the many-row numbers, the widths ``fastpath.choose`` picks among, and once through
+transformers' forward where the lean Llama forward applies, to show what it saves): median ms of a
 1-token and a 6-token forward after 64 cached tokens (interleaved repeats), the bytes of weights, and the time
 to read them once at this machine's read bandwidth, measured here (median of summing a 512 MB buffer). Then
 ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped classifier) on the testbed pair per path,
@@ -31,6 +32,7 @@ import torch
 from pivotspec import api
 from pivotspec.decoding import fastpath, packing
 from pivotspec.decoding.fastpath import CpuPath
+from pivotspec.decoding.forward import LEAN, is_lean
 
 PATHS = [CpuPath("float32", False), CpuPath("float32", True), CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
 LLAMA = r"""
@@ -78,8 +80,13 @@ def variants(base: Any) -> dict[str, tuple[Any, int]]:
         if not p.packed:
             out[p.label] = (model, 0)
             continue
-        for width in packing.exact_lone_widths(model) or [p.lone_rows]:
+        widths = packing.exact_lone_widths(model) or [p.lone_rows]
+        for width in widths:
             out[f"{p.label}, lone row x{width}"] = (model, width)
+        if is_lean(model):  # the same kernels through transformers' forward: what the lean forward saves
+            model = fastpath.convert(copy.deepcopy(base), p)
+            delattr(model, LEAN)
+            out[f"{p.label}, lone row x{widths[0]}, transformers forward"] = (model, widths[0])
     return out
 
 
@@ -168,9 +175,9 @@ def main() -> None:
     result["forwards"] = []
     for name in ("testbed-target", "testbed-draft", "smollm2-135m-instruct"):
         result["forwards"] += forwards(name, args.repeats, bw)
-    print(f"{'model':22} {'path':29} {'MB':>5} {'read ms':>8} {'1-tok ms':>9} {'6-tok ms':>9} {'6/1':>5} {'1/read':>7}")
+    print(f"{'model':22} {'path':52} {'MB':>5} {'read ms':>8} {'1-tok ms':>9} {'6-tok ms':>9} {'6/1':>5} {'1/read':>7}")
     for r in result["forwards"]:
-        print(f"{r['model']:22} {r['path']:29} {r['weights_mb']:5} {r['read_ms']:8.1f} {r['1_token_ms']:9.1f} "
+        print(f"{r['model']:22} {r['path']:52} {r['weights_mb']:5} {r['read_ms']:8.1f} {r['1_token_ms']:9.1f} "
               f"{r['6_token_ms']:9.1f} {r['6_over_1']:5.2f} {r['1_token_over_read']:7.2f}", flush=True)
     peer = llama_cpp(args.llama_python, args.threads, 64, 5)
     result["llama_cpp_smollm2_q4_1"] = peer

@@ -39,7 +39,28 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
-class PackedLinear(nn.Module):
+class PackedCompute:
+    """What a packed linear and a fused group share: ``compute`` over ``packed``, ``bias`` and ``lone_rows``.
+    A lone row is copied into a zeroed scratch block kept between calls rather than padded anew: the padding
+    was three small ops on each of the 121 linears of a testbed-target step (``F.pad``: allocate, fill, copy)."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    lone_rows: int
+    _scratch: torch.Tensor | None = None
+
+    def compute(self, flat: torch.Tensor) -> torch.Tensor:
+        """The layer (or every member of the group, side by side) on a [rows, in_features] input."""
+        if flat.shape[0] != 1 or self.lone_rows == 1:
+            return packed_linear(flat, self.packed, self.bias, self.lone_rows)
+        scratch = self._scratch
+        if scratch is None or scratch.shape[0] != self.lone_rows or scratch.dtype != flat.dtype:
+            scratch = self._scratch = flat.new_zeros((self.lone_rows, flat.shape[1]))
+        scratch[:1].copy_(flat)  # rows 1.. stay zero: the same block packed_linear pads to
+        return packed_linear(scratch, self.packed, self.bias)[:1]
+
+
+class PackedLinear(PackedCompute, nn.Module):
     """``nn.Linear`` whose weight is also held in oneDNN's prepacked layout. The original parameter stays
     (shared, so a lm_head tied to the embeddings stays tied, and fingerprints and state dicts see it)."""
 
@@ -55,15 +76,11 @@ class PackedLinear(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
 
-    def compute(self, flat: torch.Tensor) -> torch.Tensor:
-        """The layer on a [rows, in_features] input."""
-        return packed_linear(flat, self.packed, self.bias, self.lone_rows)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.compute(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
 
 
-class FusedLinears:
+class FusedLinears(PackedCompute):
     """Linears that read the same input (attention's q, k and v; the MLP's gate and up) as one packed
     matrix: one oneDNN call instead of three or two. Measured: the 210 separate calls of a 30-layer
     SmolLM2-shaped stack took 1.7x the time of the 120 fused ones at one row, the weights being the same bytes.
@@ -78,10 +95,6 @@ class FusedLinears:
         self.lone_rows = LONE_ROWS
         self._input: torch.Tensor | None = None
         self._outputs: list[torch.Tensor] = []
-
-    def compute(self, flat: torch.Tensor) -> torch.Tensor:
-        """Every member's output on a [rows, in_features] input, side by side."""
-        return packed_linear(flat, self.packed, self.bias, self.lone_rows)
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:  # a new input: compute every member's output once
