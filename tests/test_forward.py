@@ -103,3 +103,17 @@ def test_lean_forward_only_where_it_computes_the_model(tiny_dir):
     assert not is_lean(fastpath.convert(tiny_llama(hidden_act="gelu"), fastpath.CpuPath("float32", True)))
     qwen3 = AutoModelForCausalLM.from_pretrained(tiny_dir["qwen3_target"]).eval()  # q/k norms: not a plain Llama
     assert not is_lean(fastpath.convert(qwen3, fastpath.CpuPath("float32", True)))
+
+
+def test_a_watched_model_goes_through_transformers():
+    model = fastpath.convert(tiny_llama(), fastpath.CpuPath("float32", True))
+    seen = []
+    real = model.forward
+    model.forward = lambda *a, **k: seen.append("forward") or real(*a, **k)  # replaced on the instance
+    model_forward(model, torch.tensor([[3, 4]]), growing_cache(model.config))
+    del model.forward
+    handle = model.register_forward_hook(lambda *_: seen.append("hook"))
+    model_forward(model, torch.tensor([[3, 4]]), growing_cache(model.config))
+    handle.remove()
+    model_forward(model, torch.tensor([[3, 4]]), growing_cache(model.config))  # lean again: nothing seen
+    assert seen == ["forward", "hook"]

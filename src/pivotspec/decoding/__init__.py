@@ -1,6 +1,8 @@
 """Decoding core: from prompt ids to output tokens, one target forward per step.
 
-Owns the models and their roll-back caches (``models``, ``kvcache``), turning logits into distributions and
+Owns the models and their roll-back caches (``models``, ``kvcache``), one forward over a cache (``forward``:
+transformers', or a lean Llama forward on the CPU fast path of ``fastpath``, ``packing`` and ``attention``),
+turning logits into distributions and
 tokens (``sampling``), the draft's proposal (``drafting``), verification and the acceptance policies
 (``acceptance``: lossless SD and PAD; ``baselines``: the training-free relaxed rules), and the loop that ties them
 (``loop``), and the same loop over a batch of rows with per-row acceptance and continuous batching (``batch``,

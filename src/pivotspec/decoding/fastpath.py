@@ -44,7 +44,7 @@ CACHE_FILE = "fastpath.json"
 # Auto leaves float32 only for a path that saves at least this share of the forward time: another dtype gives
 # other tokens than the README's float32 tables, and smaller savings did not show end to end (an Intel Xeon
 # with AVX512-BF16: packed bfloat16 saved 12-20% of the 1- plus 6-token forward time, and `demo` ran 1.03x,
-# `label` 1.08x; an AMD EPYC: it saved 55%, and they ran 1.58x and 2.47x; benchmarks/end_to_end.py).
+# `label` 1.08x; an AMD EPYC: it saved about half, and they ran 2.27x and 3.26x; benchmarks/end_to_end.py).
 OTHER_DTYPE_SAVING = 0.25
 
 

@@ -154,7 +154,9 @@ def model_forward(model: nn.Module, input_ids: torch.Tensor, cache: Any, *, keep
     ``keep`` positions [rows, keep, vocab] in the model's dtype, and the hidden states there after each block
     in ``layers`` (1 = after the first block, HF's ``hidden_states`` convention) [rows, keep, d]."""
     lean = getattr(model, LEAN, None)
-    if lean is not None:
+    # A model whose forward was replaced on the instance or that carries hooks on its top module is being
+    # watched or changed (tests slow it down, users trace it): it goes through transformers, which runs them.
+    if lean is not None and "forward" not in vars(model) and not (model._forward_hooks or model._forward_pre_hooks):
         return lean(input_ids, cache, attention_mask, position_ids, keep, layers)
     captured: dict[int, torch.Tensor] = {}
     handles = [model.model.layers[layer - 1].register_forward_hook(
