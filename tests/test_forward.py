@@ -4,6 +4,8 @@ cache with its masks and positions, and rollouts with a padding mask; and it is 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -109,7 +111,8 @@ def test_a_watched_model_goes_through_transformers():
     model = fastpath.convert(tiny_llama(), fastpath.CpuPath("float32", True))
     seen = []
     real = model.forward
-    model.forward = lambda *a, **k: seen.append("forward") or real(*a, **k)  # replaced on the instance
+    # replaced on the instance (wrapped: the cache keyword is read from its signature)
+    model.forward = functools.wraps(real)(lambda *a, **k: seen.append("forward") or real(*a, **k))
     model_forward(model, torch.tensor([[3, 4]]), growing_cache(model.config))
     del model.forward
     handle = model.register_forward_hook(lambda *_: seen.append("hook"))
