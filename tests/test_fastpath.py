@@ -165,9 +165,16 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     monkeypatch.setattr(fastpath, "model_key", lambda source: "another")
     assert choose(*args) == CpuPath("bfloat16", True)
     assert len(calls) == 4
+    stale = json.loads(store.read_text())
+    stale["gone"] = {"choice": {"dtype": "float32", "packed": False}, "model": str(tmp_path / "deleted")}
+    store.write_text(json.dumps(stale))
+    monkeypatch.setattr(fastpath, "model_key", lambda source: "a third")
+    choose(*args)
+    assert "gone" not in json.loads(store.read_text())  # a verdict whose model is gone is dropped on the next write
+    assert len(calls) == 5
     monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "plain")  # pinned: no measurement
     assert choose(*args, dtype="bfloat16") == CpuPath("bfloat16", False)
-    assert len(calls) == 4
+    assert len(calls) == 5
     entries = json.loads(store.read_text()).values()
     assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
     assert sum(e["choice"] == {"dtype": "float32", "packed": True, "lone_rows": 2} for e in entries) == 2

@@ -202,6 +202,13 @@ def measure(model: nn.Module, paths: list[CpuPath]) -> dict[str, dict[str, Any]]
     return results
 
 
+def present(model: str) -> bool:
+    """Whether a verdict's model still exists: a hub id, or a directory that is still there. Verdicts of models
+    that are gone (the test suite's temporary checkpoints, a deleted conversion) are dropped when a new one is
+    written, so the file does not grow with every directory ever loaded."""
+    return not model.startswith("/") or Path(model).exists()
+
+
 def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None = None,
            name: str = "model") -> CpuPath:
     """The fastest path for this float32 CPU ``model`` (read from the cache, or measured once and cached):
@@ -236,6 +243,7 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
         best = min(paths, key=cost)
         best = CpuPath(best.dtype, best.packed, timings[best.label].get("lone_rows", best.lone_rows))
         entry = {"choice": asdict(best), "timings": timings, "model": str(source)}
+        cached = {k: v for k, v in cached.items() if present(v.get("model", ""))}
         cached[key] = entry
         store.parent.mkdir(parents=True, exist_ok=True)
         tmp = store.with_suffix(f".tmp{os.getpid()}")
