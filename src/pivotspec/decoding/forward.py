@@ -6,7 +6,8 @@ bit for bit (tested), without what a general library needs and a decode step doe
 norm, attention, MLP and linear with its hooks and keyword plumbing, output records, a hook to read a hidden
 state. Why: on the testbed target (30 layers, packed bfloat16) transformers' decode step spent about 7 of its
 29 ms in Python between the kernels (torch.profiler); the lean forward took 15-17% off the 1- and 6-token
-forwards in bfloat16, 8-9% in float32 and 21-28% on the small draft (benchmarks/cpu_forwards.py). Every other model, and every model off the CPU, goes through transformers.
+forwards in bfloat16, 8-9% in float32 and 21-28% on the small draft (benchmarks/cpu_forwards.py). Every
+other model, and every model off the CPU, goes through transformers.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pivotspec.decoding.attention import FLOAT32_ATTENTION
 from pivotspec.decoding.packing import FusedMember, PackedLinear, kernel_of
 
 LEAN = "_pivotspec_lean"  # the attribute that holds a model's lean forward
+DIRECT_ATTENTION = ("sdpa", FLOAT32_ATTENTION)  # attention functions whose one-query case the lean forward inlines
 
 
 def cache_keyword(model: Any, cache: Any) -> dict[str, Any]:
@@ -97,6 +100,11 @@ class LeanLlama:
         cos, sin = cos.unsqueeze(1), signed(sin).unsqueeze(1)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
         split = (rows, width, -1, self.head_dim)
+        # One new token per row and no mask (a lone sequence's decode step, most of a decode's forwards) calls
+        # PyTorch's SDPA directly, as transformers' SDPA attention (and ``attention.sdpa_in_float32`` in float32
+        # over it) would; its wrappers cost about 5% of the testbed target's step.
+        direct = width == 1 and mask is None and config._attn_implementation in DIRECT_ATTENTION
+        gqa = self.heads != self.kv_heads
         heads, kv_end, inter = self.heads, self.q_size + self.kv_size, self.inter
         captured: dict[int, torch.Tensor] = {}
         for index, (w_in, eps_in, qkv, out, w_post, eps_post, gate_up, down, module) in enumerate(self.layers):
@@ -106,7 +114,11 @@ class LeanLlama:
             q, k = turned[:, :heads], turned[:, heads:]
             v = fused[:, kv_end:].view(split).transpose(1, 2)
             k, v = cache.update(k, v, index)
-            attended, _ = attention(module, q, k, v, mask, dropout=0.0, scaling=module.scaling)
+            if direct:  # what transformers' SDPA path computes for one query and no mask, without its wrappers
+                attended = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=module.scaling,
+                                                          enable_gqa=gqa).transpose(1, 2).to(x.dtype)
+            else:
+                attended, _ = attention(module, q, k, v, mask, dropout=0.0, scaling=module.scaling)
             x = x + out.compute(attended.reshape(rows * width, -1).contiguous()).view(rows, width, -1)
             hidden = gate_up.compute(rms_norm(x, w_post, eps_post).reshape(rows * width, -1))
             x = x + down.compute(F.silu(hidden[:, :inter]) * hidden[:, inter:]).view(rows, width, -1)
