@@ -5,8 +5,8 @@ transformers' Llama forward (:class:`LeanLlama`): the same operations in the sam
 bit for bit (tested), without what a general library needs and a decode step does not: a module call per
 norm, attention, MLP and linear with its hooks and keyword plumbing, output records, a hook to read a hidden
 state. Why: on the testbed target (30 layers, packed bfloat16) transformers' decode step spent about 7 of its
-29 ms in Python between the kernels (torch.profiler); the lean forward took 15-17% off the 1- and 6-token
-forwards in bfloat16, 8-9% in float32 and 21-28% on the small draft (benchmarks/cpu_forwards.py). Every
+29 ms in Python between the kernels (torch.profiler); the lean forward took 15-21% off the 1- and 6-token
+forwards in bfloat16, 8-15% in float32 and 21-28% on the small draft (benchmarks/cpu_forwards.py). Every
 other model, and every model off the CPU, goes through transformers.
 """
 
