@@ -39,9 +39,10 @@ def same(a, b):
     assert hidden_a.keys() == hidden_b.keys() and all(torch.equal(hidden_a[k], hidden_b[k]) for k in hidden_a)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query attention and plain multi-head (the testbed drafts)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_sequence_over_a_growing_cache(dtype):
-    lean, reference = pair_of(dtype)
+def test_one_sequence_over_a_growing_cache(dtype, kv_heads):
+    lean, reference = pair_of(dtype, num_key_value_heads=kv_heads)
     caches = {id(m): growing_cache(m.config) for m in (lean, reference)}
     with torch.inference_mode():
         for ids, keep, layers in [([3, 9, 4, 17, 5, 8, 1], 2, (1,)), ([22], 1, (1, 3)), ([6, 2, 7, 30, 11, 4], 6, (2,)),
