@@ -69,7 +69,7 @@ class LeanLlama:
 
     def __init__(self, model: nn.Module):
         config, body = model.config, model.model
-        self.model, self.config, self.body = model, config, body
+        self.config, self.body = config, body
         attn = body.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attn.head_dim
@@ -102,8 +102,10 @@ class LeanLlama:
         split = (rows, width, -1, self.head_dim)
         # One new token per row and no mask (a lone sequence's decode step, most of a decode's forwards) calls
         # PyTorch's SDPA directly, as transformers' SDPA attention (and ``attention.sdpa_in_float32`` in float32
-        # over it) would; its wrappers cost about 5% of the testbed target's step.
-        direct = width == 1 and mask is None and config._attn_implementation in DIRECT_ATTENTION
+        # over it) would; its wrappers cost about 3% of the testbed target's step (same-process A/B). Heads wider
+        # than 256 take transformers' other grouped-query path there, so they keep its function.
+        direct = (width == 1 and mask is None and config._attn_implementation in DIRECT_ATTENTION
+                  and self.head_dim <= 256)
         gqa = self.heads != self.kv_heads
         heads, kv_end, inter = self.heads, self.q_size + self.kv_size, self.inter
         captured: dict[int, torch.Tensor] = {}
