@@ -37,16 +37,8 @@ from pivotspec.decoding.forward import LEAN, is_lean
 PATHS = [CpuPath("float32", False), CpuPath("float32", True), CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
 LLAMA = r"""
 import json, sys, time, statistics
-import llama_cpp
 from llama_cpp import Llama
-path, threads, n, reps, extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-if not extra:  # llama.cpp's repacked weight buffers (AMX, AVX-512 layouts) off: plain CPU buffers
-    defaults = llama_cpp.llama_model_default_params
-    def plain_buffers():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    llama_cpp.llama_model_default_params = plain_buffers
+path, threads, n, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = Llama(model_path=path, n_threads=threads, n_ctx=512, verbose=False)
 prompt = llm.tokenize(b"Mia has 3 apples and buys 4 more. How many apples does she have now? Answer:")
 times = []
@@ -56,7 +48,7 @@ for r in range(reps + 1):
     for _ in range(n):
         tok = llm.sample(temp=0.0); llm.eval([tok])
     times.append((time.perf_counter() - start) / n * 1000)
-print(json.dumps({"ms_per_token": statistics.median(times[1:]), "repacked_buffers": extra}))
+print(json.dumps({"ms_per_token": statistics.median(times[1:])}))
 """
 
 
@@ -156,20 +148,17 @@ def decoding(n: int, reps: int, max_new: int) -> list[dict]:
 
 
 def llama_cpp(python: str, threads: int, n: int, reps: int) -> dict | None:
-    """llama.cpp's ms/token on SmolLM2 Q4_1; with its repacked weight buffers first (AMX where the CPU has it),
-    and, if that run dies (seen: a segmentation fault in ggml's AMX path on a 2-core Xeon VM), without them."""
+    """llama.cpp's ms/token on SmolLM2 Q4_1, or its failure recorded (seen: a native build on a 2-core AMX Xeon
+    VM died with a segmentation fault in ``llama_decode``), so that a crashing peer never loses the other rows."""
     from pivotspec.decoding.models import _smollm2_gguf
 
     if not Path(python).exists():
         return None
-    failures = []
-    for extra in ("1", "0"):
-        out = subprocess.run([python, "-c", LLAMA, str(_smollm2_gguf()), str(threads), str(n), str(reps), extra],
-                             capture_output=True, text=True)
-        if out.returncode == 0:
-            return {**json.loads(out.stdout.strip().splitlines()[-1]), "failed_first": failures}
-        failures.append(f"repacked_buffers={extra == '1'}: exit {out.returncode} {out.stderr.strip()[-300:]}")
-    return {"ms_per_token": None, "failed_first": failures}
+    out = subprocess.run([python, "-c", LLAMA, str(_smollm2_gguf()), str(threads), str(n), str(reps)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"ms_per_token": None, "error": f"exit {out.returncode}: {out.stderr.strip()[-300:]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -196,7 +185,9 @@ def main() -> None:
               f"{r['6_token_ms']:9.1f} {r['6_over_1']:5.2f} {r['1_token_over_read']:7.2f}", flush=True)
     peer = llama_cpp(args.llama_python, args.threads, 64, 5)
     result["llama_cpp_smollm2_q4_1"] = peer
-    if peer and peer["ms_per_token"]:
+    if peer and not peer["ms_per_token"]:
+        print(f"llama.cpp SmolLM2 Q4_1 failed ({peer['error']})")
+    elif peer:
         ours = min(r["1_token_ms"] for r in result["forwards"] if r["model"] == "smollm2-135m-instruct")
         print(f"llama.cpp SmolLM2 Q4_1: {peer['ms_per_token']:.1f} ms/token; pivotspec's fastest 1-token forward "
               f"{ours:.1f} ms ({ours / peer['ms_per_token']:.2f}x)")
