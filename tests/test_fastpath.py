@@ -21,6 +21,23 @@ needs_bf16 = pytest.mark.skipif(not BF16, reason="oneDNN runs bfloat16 natively 
 DTYPES = ["float32", pytest.param("bfloat16", marks=needs_bf16)]
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def attention(request, monkeypatch):
+    """Each per-query attention of bfloat16 models, as (name, the kernel's calls): the compiled kernel and
+    PyTorch's calls (``query_attention``)."""
+    from pivotspec.decoding import query_attention
+
+    calls = []
+    if request.param == "kernel":
+        if query_attention.kernel() is None:
+            pytest.skip("no C compiler to build the attention kernel")
+        attend = query_attention.attend
+        monkeypatch.setattr(query_attention, "attend", lambda *a: calls.append(1) or attend(*a))
+    else:
+        monkeypatch.setattr(query_attention, "enabled", lambda: False)
+    return request.param, calls
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_computes_the_plain_linear(dtype):
     torch.manual_seed(0)
@@ -181,7 +198,7 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype):
+def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype, attention):
     target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
     draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
     assert str(target.model.dtype) == f"torch.{dtype}"
@@ -191,6 +208,8 @@ def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtyp
         sd = decode("sd", target, draft, ids, gamma=5, max_new_tokens=24, eos_ids=set())
         pd = decode("pad", target, draft, ids, pad, gamma=5, max_new_tokens=24, eos_ids=set())
         assert sd.token_ids == ar.token_ids == pd.token_ids
+    name, calls = attention
+    assert bool(calls) == (dtype == "bfloat16" and name == "kernel")  # float32 models attend with SDPA whole
 
 
 def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, monkeypatch):
@@ -224,7 +243,7 @@ def test_sliding_windows_are_told_apart():
 
 @pytest.mark.slow  # real models
 @needs_bf16
-def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16():
+def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16(attention):
     from pivotspec import api
     from pivotspec.decoding.models import eos_ids
     from pivotspec.tasks import encode_problem
@@ -239,6 +258,7 @@ def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16():
         ar = decode("ar", pair.target, None, ids, **kw)
         assert decode("sd", pair.target, pair.draft, ids, gamma=5, **kw).token_ids == ar.token_ids
         assert decode("pad", pair.target, pair.draft, ids, pad, gamma=5, **kw).token_ids == ar.token_ids
+    assert bool(attention[1]) == (attention[0] == "kernel")
 
 
 def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
@@ -255,7 +275,7 @@ def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
 
 @needs_bf16
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_batched_rows_equal_batch1_in_bfloat16(tiny_dir, gamma):
+def test_batched_rows_equal_batch1_in_bfloat16(tiny_dir, gamma, attention):
     """The batched path through the per-query attention on tiny models, rows leaving and joining. Their
     distributions are too peaked for a bfloat16 step to change a token (this passes without the per-query
     attention too); the testbed test below is the one that parts without it."""
@@ -272,11 +292,12 @@ def test_batched_rows_equal_batch1_in_bfloat16(tiny_dir, gamma):
         jobs.append((method, Request(ids, policy=policy, gamma=gamma, max_new_tokens=6 + 3 * i,
                                      speculate=method != "ar")))
     assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
+    assert bool(attention[1]) == (attention[0] == "kernel")
 
 
 @pytest.mark.slow  # real models
 @needs_bf16
-def test_testbed_batched_rows_equal_batch1_in_bfloat16():
+def test_testbed_batched_rows_equal_batch1_in_bfloat16(attention):
     from pivotspec import api
     from pivotspec.decoding.batch import Request
     from pivotspec.decoding.models import eos_ids
@@ -292,3 +313,4 @@ def test_testbed_batched_rows_equal_batch1_in_bfloat16():
                                      else None, max_new_tokens=64, eos_ids=eos_ids(pair.target),
                                      speculate=method != "ar")))
     assert_rows_equal_batch1(pair.target, pair.draft, jobs, max_batch=8)
+    assert bool(attention[1]) == (attention[0] == "kernel")

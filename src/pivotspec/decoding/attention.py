@@ -1,6 +1,8 @@
-"""Attention in float32, one query at a time, for models whose weights run in bfloat16 on a CPU: what keeps
-greedy SD equal to the target alone and batched rows equal to rows decoded alone within that dtype (see
-:func:`sdpa_in_float32`). Part of the CPU fast path (``fastpath``), apart because it owns one idea."""
+"""Attention in float32, each query over exactly its keys, for models whose weights run in bfloat16 on a CPU:
+what keeps greedy SD equal to the target alone and batched rows equal to rows decoded alone within that dtype
+(see :func:`sdpa_in_float32`). The queries of a layer go to the compiled kernel of ``query_attention`` in one
+call where it is built, else to PyTorch's SDPA one call per query. Part of the CPU fast path (``fastpath``),
+apart because it owns one idea."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pivotspec.decoding import query_attention
 
 FLOAT32_ATTENTION = "pivotspec_sdpa_float32"
 VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time
@@ -39,15 +43,24 @@ def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     computed beside later ones (SD's verification) or beside longer rows (a batch) was summed in another
     order than the same query alone (the target's decode step). In float32 that is about 1e-7; in bfloat16
     it moved a row by a whole bfloat16 step, and greedy SD, and batched rows, parted from the target alone
-    at near-ties (measured on the tiny test models and the testbed). Float32 makes the step rare, and the
-    per-query call makes every row the lone decode step's own computation, bit for bit; the upcast reads the
-    cache once more, small next to the weights. Prefills (a fresh cache) and sliding windows go whole."""
+    at near-ties (measured on the tiny test models and the testbed). Float32 makes the step rare, and
+    computing each query over exactly its keys makes every row the lone decode step's own computation, bit
+    for bit. Where the kernel of ``query_attention`` runs, it does so for every short block, the lone decode
+    step's single query included, in one call per layer; else each query is one call of PyTorch's SDPA (a
+    lone step's single query with no mask goes whole, which is the same call). Prefills (a fresh cache) and
+    sliding windows go whole."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = query.dtype
-    q, k, v = query.float(), key.float(), value.float()
-    rows, width, total = q.shape[0], q.shape[-2], k.shape[-2]
+    rows, width, total = query.shape[0], query.shape[-2], key.shape[-2]
     short = width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None
+    if short and plain_call(module, key, value, args, kwargs) and query_attention.supports(query, key):
+        # Every short block, a lone decode step's one query included, so that all are summed alike.
+        counts = key_counts(attention_mask, rows, width, total)
+        if counts is not None:
+            out = query_attention.attend(query.float(), key, value, counts, scale_of(module, query, kwargs))
+            return out.to(dtype), None
+    q, k, v = query.float(), key.float(), value.float()
     # Without a mask: one sequence verifying a block. (Rollouts of one prefix also come without a mask, one
     # token wide: they go whole, as nothing compares them with batch 1.) With one: the batch's rows.
     counts = key_counts(attention_mask, rows, width, total) if short and (attention_mask is not None
@@ -64,19 +77,34 @@ def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.to(dtype), weights
 
 
+def plain_call(module: nn.Module, key: torch.Tensor, value: torch.Tensor, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether transformers' SDPA attention would end in a plain call of PyTorch's SDPA: no extra arguments, no
+    dropout, and grouped-query heads that SDPA takes as they are (heads up to 256 wide)."""
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    return (not args and set(kwargs) <= {"scaling", "dropout", "sliding_window"} and not kwargs.get("dropout")
+            and (groups == 1 or use_gqa_in_sdpa(None, key, value)))
+
+
+def scale_of(module: nn.Module, query: torch.Tensor, kwargs: dict[str, Any]) -> float:
+    """The factor scores are scaled by: the layer's, else SDPA's default 1 / sqrt(head width)."""
+    scale = kwargs.get("scaling", getattr(module, "scaling", None))
+    return float(scale) if scale is not None else query.shape[-1] ** -0.5
+
+
 def one_query(module: nn.Module, key: torch.Tensor, value: torch.Tensor, args: tuple,
               kwargs: dict[str, Any]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The attention of one query over keys it all sees ([1, heads, 1, head_dim] out), as transformers' SDPA
     attention computes it with no mask and ``is_causal`` off. Where that ends in a plain call of PyTorch's
-    SDPA (no extra arguments; grouped-query heads up to 256 wide), it is called directly: the same op on the
-    same inputs, so the same numbers, without the wrapper's checks and reshapes, which took 0.38 of 4.6 s of
-    a batch of 8 PAD rows on the testbed (cProfile; 38,720 such calls)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
+    SDPA (:func:`plain_call`), it is called directly: the same op on the same inputs, so the same numbers,
+    without the wrapper's checks and reshapes, which took 0.38 of 4.6 s of a batch of 8 PAD rows on the
+    testbed (cProfile; 38,720 such calls)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    groups = getattr(module, "num_key_value_groups", 1)
-    if not args and set(kwargs) <= {"scaling", "dropout", "sliding_window"} and (
-            groups == 1 or use_gqa_in_sdpa(None, key, value)):
-        options = {"dropout_p": kwargs.get("dropout", 0.0), "scale": kwargs.get("scaling"), "enable_gqa": groups > 1}
+    if plain_call(module, key, value, args, kwargs):
+        options = {"dropout_p": kwargs.get("dropout", 0.0), "scale": kwargs.get("scaling"),
+                   "enable_gqa": getattr(module, "num_key_value_groups", 1) > 1}
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **options)
     call = {**kwargs, "is_causal": False}
     return lambda q, k, v: sdpa_attention_forward(module, q, k, v, None, *args, **call)[0].transpose(1, 2)

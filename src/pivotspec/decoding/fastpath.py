@@ -13,8 +13,9 @@ float32 where the CPU has bfloat16 instructions (AVX512-BF16 or AMX), and takes 
 ``--dtype`` pins one. Two things keep greedy SD equal to the target alone, and
 batched rows equal to rows decoded alone, within a dtype: a lone row is computed at a width that gives it the
 many-row kernel's numbers, the fastest such width measured per machine (:func:`packed_linear`,
-:func:`exact_lone_widths`), and short blocks attend one query at a time in float32 over exactly its keys
-(``attention.sdpa_in_float32``); without them both parted at near-ties in bfloat16 (tested on the testbed).
+:func:`exact_lone_widths`), and short blocks attend each query in float32 over exactly its keys
+(``attention.sdpa_in_float32``, through the compiled ``query_attention`` kernel where a C compiler is found);
+without them both parted at near-ties in bfloat16 (tested on the testbed).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +36,7 @@ from torch import nn
 
 from pivotspec.decoding.attention import attention_in_float32
 from pivotspec.decoding.forward import make_lean, model_forward
+from pivotspec.decoding.machine import cpu_flags, cpu_name
 from pivotspec.decoding.packing import LONE_ROWS, LONE_WIDTHS, exact_lone_widths, pack_linears, set_lone_rows
 from pivotspec.errors import UsageError
 
@@ -46,27 +47,6 @@ CACHE_FILE = "fastpath.json"
 # with AVX512-BF16: packed bfloat16 saved 12-20% of the 1- plus 6-token forward time, and `demo` ran 1.03x,
 # `label` 1.08x; an AMD EPYC: it saved about half, and they ran 2.27x and 3.26x; benchmarks/end_to_end.py).
 OTHER_DTYPE_SAVING = 0.25
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def capabilities() -> dict[str, Any]:

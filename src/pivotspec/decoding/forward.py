@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pivotspec.decoding import query_attention
 from pivotspec.decoding.attention import FLOAT32_ATTENTION
 from pivotspec.decoding.packing import FusedMember, PackedLinear, kernel_of
 
@@ -104,8 +105,11 @@ class LeanLlama:
         # PyTorch's SDPA directly, as transformers' SDPA attention (and ``attention.sdpa_in_float32`` in float32
         # over it) would; its wrappers cost about 3% of the testbed target's step (same-process A/B). Heads wider
         # than 256 take transformers' other grouped-query path there, so they keep its function.
+        # Not where the compiled per-query attention runs (``query_attention``): the lone step must be summed as
+        # the batch's and the verification's queries are, so it goes through the attention function as they do.
         direct = (width == 1 and mask is None and config._attn_implementation in DIRECT_ATTENTION
-                  and self.head_dim <= 256)
+                  and self.head_dim <= 256
+                  and not (config._attn_implementation == FLOAT32_ATTENTION and query_attention.enabled()))
         gqa = self.heads != self.kv_heads
         heads, kv_end, inter = self.heads, self.q_size + self.kv_size, self.inter
         captured: dict[int, torch.Tensor] = {}

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pivotspec.decoding.forward import cache_keyword, model_forward
+from pivotspec.decoding.machine import cache_dir
 from pivotspec.decoding.sampling import argmax
 from pivotspec.errors import UsageError
 from pivotspec.store import content_digest
@@ -62,11 +63,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
-
-
-def cache_dir() -> Path:
-    """Where converted checkpoints live: ``$PIVOTSPEC_CACHE``, default ``~/.cache/pivotspec``."""
-    return Path(os.environ.get("PIVOTSPEC_CACHE", Path.home() / ".cache" / "pivotspec"))
 
 
 def quiet_transformers() -> None:

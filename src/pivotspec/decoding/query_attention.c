@@ -1,0 +1,190 @@
+/* Attention of each query over exactly the keys it sees, in float32, in an order fixed by the query alone.
+
+   What a query gets depends only on its own vector, its key count n and those n keys and values: not on how
+   many queries, rows or padded columns share the call, nor on how the work is split over threads. So a row
+   decoded in a batch, or a query verified beside later ones, gets the bits the lone decode step gets, with
+   one call per layer instead of one PyTorch attention call per query (pivotspec/decoding/query_attention.py
+   says why and how it is built). The arithmetic is written in GCC's vector extension, 16 lanes (two or four
+   machine vectors where the CPU's are narrower), so that its order is the code's and not the optimizer's;
+   compiled with -ffp-contract=off, so that no multiply and add are fused in one place and not in another. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define WAYS 4
+
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef float vf_unaligned __attribute__((vector_size(4 * LANES), aligned(4), may_alias));
+
+typedef struct {
+    const float *q; int64_t q_row, q_head, q_query;              /* [rows, heads, width, dim] in elements */
+    const void *k, *v; int bf16; int64_t k_row, k_head, k_key, v_row, v_head, v_key;
+    const int64_t *counts;                                        /* [rows * width]: keys each query sees */
+    int rows, heads, kv_heads, width, dim, total; float scale;
+    float *out;                                                   /* [rows, width, heads, dim], contiguous */
+} Work;
+
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
+static inline vf splat(float x) { return (vf){0} + x; }
+
+/* exp(x) lane by lane for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial); below -87 it
+   gives exp(-87), about 1.6e-38, instead of 0. */
+static inline vf exp_nonpositive(vf x) {
+    vi low = x < -87.0f;
+    x = (vf)(((vi)x & ~low) | ((vi)splat(-87.0f) & low));
+    vi k = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  /* x / ln 2 rounded (x <= 0) */
+    vf kf = __builtin_convertvector(k, vf);
+    vf r = x - kf * 0.693359375f;
+    r = r - kf * -2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vf)((k + 127) << 23);
+}
+
+static inline float lane_sum(vf x) {  /* a fixed tree over the 16 lanes */
+    float s[LANES];
+    memcpy(s, &x, sizeof s);
+    for (int half = LANES / 2; half > 0; half /= 2)
+        for (int l = 0; l < half; l++) s[l] += s[l + half];
+    return s[0];
+}
+
+/* The first n rows of one key head, `stride` elements apart, as float32: keys transposed ([dim][stride_t]:
+   lane l of a block holds key 16b + l, the columns past n zero), values as rows ([n][dim]). */
+static void to_float(const void *k, const void *v, int bf16, int64_t k_stride, int64_t v_stride, int64_t n,
+                     int dim, int64_t stride_t, float *restrict keys, float *restrict values) {
+    for (int64_t j = 0; j < n; j++)
+        for (int t = 0; t < dim; t++) {
+            float key, value;
+            if (bf16) {
+                uint32_t kb = (uint32_t)((const uint16_t *)k)[j * k_stride + t] << 16;
+                uint32_t vb = (uint32_t)((const uint16_t *)v)[j * v_stride + t] << 16;
+                memcpy(&key, &kb, sizeof key);
+                memcpy(&value, &vb, sizeof value);
+            } else {
+                key = ((const float *)k)[j * k_stride + t];
+                value = ((const float *)v)[j * v_stride + t];
+            }
+            keys[t * stride_t + j] = key;
+            values[j * dim + t] = value;
+        }
+    for (int t = 0; t < dim; t++)
+        for (int64_t j = n; j < stride_t; j++) keys[t * stride_t + j] = 0.0f;
+}
+
+/* One query's attention over its first n keys into out[dim]. Scores: 16 keys at a time, one per lane, each
+   summed over the head's width in order. Weights: exp(score - max), the lanes past n zeroed, summed lane by
+   lane over the blocks, then in a fixed tree. Output: the weighted values summed over the keys in order. */
+static void attend_query(const float *restrict q, const float *restrict keys, int64_t stride_t,
+                         const float *restrict values, int64_t n, int dim, float scale, float *restrict scores,
+                         float *restrict out) {
+    int64_t blocks = (n + LANES - 1) / LANES, b = 0;
+    vf best;
+    /* Four blocks (or four column chunks below) at a time: independent sums that the CPU overlaps; every lane
+       is summed in the same order either way. */
+    for (; b + WAYS <= blocks; b += WAYS) {
+        vf acc[WAYS] = {{0}};
+        for (int t = 0; t < dim; t++)
+            for (int u = 0; u < WAYS; u++) acc[u] += q[t] * load(keys + t * stride_t + (b + u) * LANES);
+        for (int u = 0; u < WAYS; u++) store(scores + (b + u) * LANES, acc[u] * scale);
+    }
+    for (; b < blocks; b++) {
+        vf acc = {0};
+        for (int t = 0; t < dim; t++) acc += q[t] * load(keys + t * stride_t + b * LANES);
+        store(scores + b * LANES, acc * scale);
+    }
+    float top = -INFINITY;
+    for (int64_t j = 0; j < n; j++) top = scores[j] > top ? scores[j] : top;
+    best = splat(top);
+    vf sums = {0};
+    for (b = 0; b < blocks; b++) {
+        vf e = exp_nonpositive(load(scores + b * LANES) - best);
+        if ((b + 1) * LANES > n) {  /* the last block: lanes past n weigh nothing */
+            float tail[LANES];
+            memcpy(tail, &e, sizeof tail);
+            for (int64_t l = n - b * LANES; l < LANES; l++) tail[l] = 0.0f;
+            memcpy(&e, tail, sizeof e);
+        }
+        store(scores + b * LANES, e);
+        sums += e;
+    }
+    float total = lane_sum(sums);
+    int c = 0;
+    for (; c + WAYS * LANES <= dim; c += WAYS * LANES) {
+        vf acc[WAYS] = {{0}};
+        for (int64_t j = 0; j < n; j++)
+            for (int u = 0; u < WAYS; u++) acc[u] += scores[j] * load(values + j * dim + c + u * LANES);
+        for (int u = 0; u < WAYS; u++) store(out + c + u * LANES, acc[u] / total);
+    }
+    for (; c + LANES <= dim; c += LANES) {
+        vf acc = {0};
+        for (int64_t j = 0; j < n; j++) acc += scores[j] * load(values + j * dim + c);
+        store(out + c, acc / total);
+    }
+    for (; c < dim; c++) {  /* a head width that is not a multiple of 16: the last columns one at a time */
+        float acc = 0.0f;
+        for (int64_t j = 0; j < n; j++) acc += scores[j] * values[j * dim + c];
+        out[c] = acc / total;
+    }
+}
+
+/* One row's queries of the heads that share key head `group`; the row's keys and values are turned into
+   float32 once for all of them. */
+static void attend_group(const Work *w, int row, int group, float *keys, float *values, float *scores) {
+    int dim = w->dim, per_group = w->heads / w->kv_heads;
+    int64_t n_max = 0;
+    for (int i = 0; i < w->width; i++) {
+        int64_t n = w->counts[(int64_t)row * w->width + i];
+        n_max = n > n_max ? n : n_max;
+    }
+    int64_t stride_t = (n_max + LANES - 1) / LANES * LANES;
+    size_t size = w->bf16 ? 2 : 4;
+    to_float((const char *)w->k + size * (size_t)(row * w->k_row + group * w->k_head),
+             (const char *)w->v + size * (size_t)(row * w->v_row + group * w->v_head), w->bf16, w->k_key,
+             w->v_key, n_max, dim, stride_t, keys, values);
+    for (int query = 0; query < w->width; query++) {
+        int64_t n = w->counts[(int64_t)row * w->width + query];
+        for (int head = group * per_group; head < (group + 1) * per_group; head++)
+            attend_query(w->q + row * w->q_row + head * w->q_head + query * w->q_query, keys, stride_t, values,
+                         n, dim, w->scale, scores,
+                         w->out + (((int64_t)row * w->width + query) * w->heads + head) * dim);
+    }
+}
+
+/* Returns 0, or 1 when memory could not be had (the caller then computes it another way). The items (a row and
+   a key head each) are shared over `threads` threads of OpenMP, the runtime PyTorch's CPU kernels run on,
+   loaded once in the process: its threads, not more of them. */
+int attend(const float *q, int64_t q_row, int64_t q_head, int64_t q_query,
+           const void *k, const void *v, int bf16, int64_t k_row, int64_t k_head, int64_t k_key,
+           int64_t v_row, int64_t v_head, int64_t v_key, const int64_t *counts,
+           int rows, int heads, int kv_heads, int width, int dim, int total, float scale, float *out, int threads) {
+    Work w = {q, q_row, q_head, q_query, k, v, bf16, k_row, k_head, k_key, v_row, v_head, v_key, counts,
+              rows, heads, kv_heads, width, dim, total, scale, out};
+    int64_t items = (int64_t)rows * kv_heads;
+    size_t padded = ((size_t)total + LANES - 1) / LANES * LANES, size = (size_t)dim;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 1 ? threads : 1) reduction(|:failed)
+    {
+        float *scratch = malloc(sizeof(float) * (2 * padded * size + padded));
+        if (!scratch) {
+            failed = 1;
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t item = 0; item < items; item++)
+                attend_group(&w, (int)(item / kv_heads), (int)(item % kv_heads), scratch,
+                             scratch + padded * size, scratch + 2 * padded * size);
+            free(scratch);
+        }
+    }
+    return failed;
+}

@@ -1,0 +1,111 @@
+"""Attention in float32 of each query over exactly the keys it sees, all queries of a layer in one call of a
+small C kernel (``query_attention.c``), compiled once per machine with the system's C compiler and run on
+PyTorch's own OpenMP threads.
+
+Why: to keep greedy SD equal to the target alone, and batched rows equal to rows decoded alone, in bfloat16,
+every query must be summed the way the lone decode step sums it (``attention.sdpa_in_float32``). With
+PyTorch's attention that took one call per query: 1,440 calls per target step for 8 PAD rows at gamma 5,
+about a quarter of a batched step (cProfile, benchmarks/README). The kernel computes each query in an order
+that depends on nothing but that query's own keys, so one call per layer gives every query the lone step's
+bits (measured on 8 rows x 6 queries x ~120 keys, an Intel Xeon with AMX: 0.31 ms a layer against 2.3-2.6 ms
+for the per-query calls). Where no compiler is found, ``attention`` keeps PyTorch's per-query calls;
+``$PIVOTSPEC_ATTENTION=torch`` asks for them (to compare). The two give numbers that differ at rounding, so
+within one process all models use the same (:func:`enabled` is read once per process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pivotspec.decoding.machine import cache_dir, cpu_flags, cpu_name
+
+SOURCE = Path(__file__).with_suffix(".c")
+# -march=native: built for this CPU (the library's name carries the CPU's flags); -ffp-contract=off: see the source
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp")
+_ARGS = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 6
+         + [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+log = logging.getLogger("pivotspec")
+
+
+def library_path(compiler: str) -> Path:
+    """Where the kernel built by ``compiler`` for this CPU lives: keyed by source, flags, compiler and CPU."""
+    ident = "|".join([SOURCE.read_text(), *FLAGS, compiler, cpu_name(), *sorted(cpu_flags())])
+    return cache_dir() / "kernels" / f"query_attention-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.so"
+
+
+@functools.cache
+def kernel() -> ctypes._CFuncPtr | None:
+    """The compiled ``attend`` function (built on first use), or None where it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found: attention runs one PyTorch call per query")
+        return None
+    path = library_path(compiler)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
+        try:
+            built = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                                   text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            log.warning("the attention kernel did not build (%s): attention runs one PyTorch call per query", err)
+            return None
+        if built.returncode != 0:
+            log.warning("the attention kernel did not build (%s): attention runs one PyTorch call per query",
+                        built.stderr.strip()[-500:])
+            return None
+        os.replace(tmp, path)  # atomic: processes building at once each write their own file
+    attend = ctypes.CDLL(str(path)).attend
+    attend.argtypes, attend.restype = _ARGS, ctypes.c_int
+    return attend
+
+
+@functools.cache
+def enabled() -> bool:
+    """Whether this process attends with the kernel (read once, so that every model in it sums alike)."""
+    choice = os.environ.get("PIVOTSPEC_ATTENTION", "kernel")
+    if choice not in ("kernel", "torch"):
+        from pivotspec.errors import UsageError
+
+        raise UsageError(f"PIVOTSPEC_ATTENTION={choice!r}: use kernel (the default) or torch")
+    return choice == "kernel" and kernel() is not None
+
+
+def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the kernel computes these: CPU tensors, float32 or bfloat16 keys, whole groups of query heads per
+    key head, each head's vector contiguous."""
+    return (enabled() and query.device.type == "cpu" and query.is_floating_point()
+            and key.dtype in (torch.float32, torch.bfloat16)
+            and query.shape[1] % key.shape[1] == 0 and query.stride(-1) == 1 and key.stride(-1) == 1)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: list[list[int]],
+           scale: float) -> torch.Tensor:
+    """Each query's attention over its first ``counts[row][query]`` keys. ``query`` [rows, heads, width, dim]
+    float32; ``key`` and ``value`` [rows, kv heads, total, dim] (float32 or bfloat16, the same dtype); returns
+    [rows, width, heads, dim] float32. Check :func:`supports` first."""
+    rows, heads, width, dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    if value.dtype != key.dtype or value.stride(-1) != 1:
+        value = value.to(key.dtype).contiguous()
+    flat = [n for row in counts for n in row]
+    if len(counts) != rows or len(flat) != rows * width or min(flat) < 1 or max(flat) > total:
+        raise ValueError(f"key counts must be [rows, width] = [{rows}, {width}], each in 1..{total}")
+    out = torch.empty((rows, width, heads, dim), dtype=torch.float32)
+    failed = kernel()(query.data_ptr(), *query.stride()[:3], key.data_ptr(), value.data_ptr(),
+                      int(key.dtype == torch.bfloat16), *key.stride()[:3], *value.stride()[:3],
+                      (ctypes.c_int64 * len(flat))(*flat), rows, heads, kv_heads, width, dim, total, scale,
+                      out.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise MemoryError("the attention kernel could not allocate its scratch memory")
+    return out
+
