@@ -161,7 +161,7 @@ static void attend_group(const Work *w, int row, int group, float *keys, float *
     }
 }
 
-/* Returns 0, or 1 when memory could not be had (the caller then computes it another way). The items (a row and
+/* Returns 0, or 1 when scratch memory could not be had (the caller raises MemoryError). The items (a row and
    a key head each) are shared over `threads` threads of OpenMP, the runtime PyTorch's CPU kernels run on,
    loaded once in the process: its threads, not more of them. */
 int attend(const float *q, int64_t q_row, int64_t q_head, int64_t q_query,
