@@ -54,17 +54,16 @@ def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     dtype = query.dtype
     rows, width, total = query.shape[0], query.shape[-2], key.shape[-2]
     short = width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None
-    if short and plain_call(module, key, value, args, kwargs) and query_attention.supports(query, key):
+    counts = key_counts(attention_mask, rows, width, total) if short else None
+    if counts is not None and plain_call(module, key, value, args, kwargs) and query_attention.supports(query, key):
         # Every short block, a lone decode step's one query included, so that all are summed alike.
-        counts = key_counts(attention_mask, rows, width, total)
-        if counts is not None:
-            out = query_attention.attend(query.float(), key, value, counts, scale_of(module, query, kwargs))
-            return out.to(dtype), None
+        out = query_attention.attend(query.float(), key, value, counts, scale_of(module, query, kwargs))
+        return out.to(dtype), None
     q, k, v = query.float(), key.float(), value.float()
     # Without a mask: one sequence verifying a block. (Rollouts of one prefix also come without a mask, one
     # token wide: they go whole, as nothing compares them with batch 1.) With one: the batch's rows.
-    counts = key_counts(attention_mask, rows, width, total) if short and (attention_mask is not None
-                                                                         or width > 1) else None
+    if attention_mask is None and width == 1:
+        counts = None
     if counts is not None:  # one call per query over exactly its keys
         one = one_query(module, k, v, args, kwargs)
         out = torch.cat([torch.cat([one(q[b:b + 1, :, i:i + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])

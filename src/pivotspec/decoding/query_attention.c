@@ -89,7 +89,6 @@ static void attend_query(const float *restrict q, const float *restrict keys, in
                          const float *restrict values, int64_t n, int dim, float scale, float *restrict scores,
                          float *restrict out) {
     int64_t blocks = (n + LANES - 1) / LANES, b = 0;
-    vf best;
     /* Four blocks (or four column chunks below) at a time: independent sums that the CPU overlaps; every lane
        is summed in the same order either way. */
     for (; b + WAYS <= blocks; b += WAYS) {
@@ -105,7 +104,7 @@ static void attend_query(const float *restrict q, const float *restrict keys, in
     }
     float top = -INFINITY;
     for (int64_t j = 0; j < n; j++) top = scores[j] > top ? scores[j] : top;
-    best = splat(top);
+    vf best = splat(top);
     vf sums = {0};
     for (b = 0; b < blocks; b++) {
         vf e = exp_nonpositive(load(scores + b * LANES) - best);

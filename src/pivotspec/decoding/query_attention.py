@@ -108,4 +108,3 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: 
     if failed:
         raise MemoryError("the attention kernel could not allocate its scratch memory")
     return out
-
