@@ -86,4 +86,17 @@ def test_bad_key_counts_are_refused():
     with pytest.raises(ValueError, match="key counts"):
         query_attention.attend(q, k, v, [row[:2] for row in counts], 0.125)
     with pytest.raises(ValueError, match="key counts"):
-        query_attention.attend(q, k, v, [[0, 1, 2]] * len(counts), 0.125)
+        query_attention.attend(q, k, v, [[-1, 1, 2]] * len(counts), 0.125)
+    with pytest.raises(ValueError, match="key counts"):
+        query_attention.attend(q, k, v, [[1, 2, k.shape[2] + 1]] * len(counts), 0.125)
+
+
+def test_a_query_that_sees_no_key_gets_zeros_and_leaves_the_others_alone():
+    """A batch row's padding queries see nothing (``slots.attention_masks`` with ``fed``): they cost nothing
+    and give zeros, and every other query keeps its numbers."""
+    q, k, v, counts = inputs(torch.bfloat16)
+    out = query_attention.attend(q, k, v, counts, 0.125)
+    hidden = [[0 if i == 1 else n for i, n in enumerate(row)] for row in counts]
+    padded = query_attention.attend(q, k, v, hidden, 0.125)
+    assert torch.equal(padded[:, 1], torch.zeros_like(padded[:, 1]))
+    assert torch.equal(padded[:, 0], out[:, 0]) and torch.equal(padded[:, 2:], out[:, 2:])

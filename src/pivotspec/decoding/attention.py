@@ -16,13 +16,27 @@ from torch import nn
 from pivotspec.decoding import query_attention
 
 FLOAT32_ATTENTION = "pivotspec_sdpa_float32"
-VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time
+VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a time, where the kernel is not built
+KERNEL_ROWS = 256  # blocks up to this wide go to the kernel where it is (wider prefills: PyTorch's attention whole)
+
+
+_last: list = [None, None]  # the mask whose counts were read last, and its counts: every layer passes the same
 
 
 def key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> list[list[int]] | None:
     """How many leading keys each query of a block sees, when every query sees a prefix of the keys (full
     attention over a single sequence's cache or over the batch's slot cache); None otherwise (a sliding
-    window, a float mask), where attention goes through SDPA whole."""
+    window, a float mask), where attention goes through SDPA whole. Read once per mask (it took 0.1 ms a
+    layer for a batch with a joining prompt)."""
+    if mask is not None and mask is _last[0]:
+        return _last[1]
+    counts = _key_counts(mask, rows, width, total)
+    if mask is not None:
+        _last[:] = [mask, counts]
+    return counts
+
+
+def _key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> list[list[int]] | None:
     if mask is None:
         return [[total - width + i + 1 for i in range(width)]] * rows
     if mask.dtype != torch.bool or mask.shape[1] != 1:
@@ -36,8 +50,8 @@ def key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> 
 
 def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention computed in float32 and returned in the model's dtype, one query at a time
-    over exactly the keys it sees, for short blocks (SD's verification, batched decode steps).
+    """transformers' SDPA attention computed in float32 and returned in the model's dtype, each query over
+    exactly the keys it sees.
 
     Why: PyTorch's CPU attention sums a row over all the keys of the call, masked ones included, so a query
     computed beside later ones (SD's verification) or beside longer rows (a batch) was summed in another
@@ -45,18 +59,22 @@ def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     it moved a row by a whole bfloat16 step, and greedy SD, and batched rows, parted from the target alone
     at near-ties (measured on the tiny test models and the testbed). Float32 makes the step rare, and
     computing each query over exactly its keys makes every row the lone decode step's own computation, bit
-    for bit. Where the kernel of ``query_attention`` runs, it does so for every short block, the lone decode
-    step's single query included, in one call per layer; else each query is one call of PyTorch's SDPA (a
-    lone step's single query with no mask goes whole, which is the same call). Prefills (a fresh cache) and
-    sliding windows go whole."""
+    for bit. Where the kernel of ``query_attention`` runs, it takes every block up to ``KERNEL_ROWS`` wide in
+    one call per layer: the lone decode step's single query, a verification, a batch's step, and a prompt's
+    prefill, so that a prompt computed inside a batch's step (``batch.Batch``) gets the numbers of the same
+    prompt prefilled alone. A query that sees no key (a batch row's padding) gets zeros. Else each query of a
+    short block (up to ``VERIFY_ROWS``, over a cache) is one call of PyTorch's SDPA (a lone step's single
+    query with no mask goes whole, which is the same call). Wider blocks and sliding windows go whole."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = query.dtype
     rows, width, total = query.shape[0], query.shape[-2], key.shape[-2]
-    short = width <= VERIFY_ROWS and total > width and kwargs.get("sliding_window") is None
-    counts = key_counts(attention_mask, rows, width, total) if short else None
-    if counts is not None and plain_call(module, key, value, args, kwargs) and query_attention.supports(query, key):
-        # Every short block, a lone decode step's one query included, so that all are summed alike.
+    window = kwargs.get("sliding_window") is not None
+    by_kernel = width <= KERNEL_ROWS and not window and query_attention.enabled()
+    per_query = width <= VERIFY_ROWS and total > width and not window
+    counts = key_counts(attention_mask, rows, width, total) if by_kernel or per_query else None
+    if (counts is not None and by_kernel and plain_call(module, key, value, args, kwargs)
+            and query_attention.supports(query, key)):
         out = query_attention.attend(query.float(), key, value, counts, scale_of(module, query, kwargs))
         return out.to(dtype), None
     q, k, v = query.float(), key.float(), value.float()
@@ -64,9 +82,10 @@ def sdpa_in_float32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     # token wide: they go whole, as nothing compares them with batch 1.) With one: the batch's rows.
     if attention_mask is None and width == 1:
         counts = None
-    if counts is not None:  # one call per query over exactly its keys
+    if counts is not None and per_query:  # one call per query over exactly its keys
         one = one_query(module, k, v, args, kwargs)
-        out = torch.cat([torch.cat([one(q[b:b + 1, :, i:i + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+        out = torch.cat([torch.cat([one(q[b:b + 1, :, i:i + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n]) if n
+                                    else q.new_zeros((1, q.shape[1], 1, q.shape[-1]))
                                     for i, n in enumerate(counts[b])], dim=2) for b in range(rows)])
         return out.transpose(1, 2).contiguous().to(dtype), None
     mask = attention_mask

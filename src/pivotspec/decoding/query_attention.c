@@ -82,12 +82,16 @@ static void to_float(const void *k, const void *v, int bf16, int64_t k_stride, i
         for (int64_t j = n; j < stride_t; j++) keys[t * stride_t + j] = 0.0f;
 }
 
-/* One query's attention over its first n keys into out[dim]. Scores: 16 keys at a time, one per lane, each
+/* One query's attention over its first n keys (none: zeros) into out[dim]. Scores: 16 keys at a time, one per lane, each
    summed over the head's width in order. Weights: exp(score - max), the lanes past n zeroed, summed lane by
    lane over the blocks, then in a fixed tree. Output: the weighted values summed over the keys in order. */
 static void attend_query(const float *restrict q, const float *restrict keys, int64_t stride_t,
                          const float *restrict values, int64_t n, int dim, float scale, float *restrict scores,
                          float *restrict out) {
+    if (n == 0) {  /* a query that sees nothing (a batch row's padding): zeros */
+        memset(out, 0, sizeof(float) * (size_t)dim);
+        return;
+    }
     int64_t blocks = (n + LANES - 1) / LANES, b = 0;
     /* Four blocks (or four column chunks below) at a time: independent sums that the CPU overlaps; every lane
        is summed in the same order either way. */

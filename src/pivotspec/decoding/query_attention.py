@@ -90,21 +90,33 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: list[list[int]],
            scale: float) -> torch.Tensor:
-    """Each query's attention over its first ``counts[row][query]`` keys. ``query`` [rows, heads, width, dim]
-    float32; ``key`` and ``value`` [rows, kv heads, total, dim] (float32 or bfloat16, the same dtype); returns
-    [rows, width, heads, dim] float32. Check :func:`supports` first."""
+    """Each query's attention over its first ``counts[row][query]`` keys (zeros where that is 0). ``query``
+    [rows, heads, width, dim] float32; ``key`` and ``value`` [rows, kv heads, total, dim] (float32 or bfloat16,
+    the same dtype); returns [rows, width, heads, dim] float32. Check :func:`supports` first. The counts are
+    checked and copied for C once per list: the layers of one forward pass the same one."""
     rows, heads, width, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     if value.dtype != key.dtype or value.stride(-1) != 1:
         value = value.to(key.dtype).contiguous()
-    flat = [n for row in counts for n in row]
-    if len(counts) != rows or len(flat) != rows * width or min(flat) < 1 or max(flat) > total:
-        raise ValueError(f"key counts must be [rows, width] = [{rows}, {width}], each in 1..{total}")
+    table = _table(counts, rows, width, total)
     out = torch.empty((rows, width, heads, dim), dtype=torch.float32)
     failed = kernel()(query.data_ptr(), *query.stride()[:3], key.data_ptr(), value.data_ptr(),
                       int(key.dtype == torch.bfloat16), *key.stride()[:3], *value.stride()[:3],
-                      (ctypes.c_int64 * len(flat))(*flat), rows, heads, kv_heads, width, dim, total, scale,
+                      table, rows, heads, kv_heads, width, dim, total, scale,
                       out.data_ptr(), torch.get_num_threads())
     if failed:
         raise MemoryError("the attention kernel could not allocate its scratch memory")
     return out
+
+
+_last: list = [None, None, None]  # the counts list last turned into a table, its shape check, and the table
+
+
+def _table(counts: list[list[int]], rows: int, width: int, total: int) -> ctypes.Array:
+    """``counts`` as the C array the kernel reads, checked against the call's shape."""
+    if _last[0] is not counts or _last[1] != (rows, width, total):
+        flat = [n for row in counts for n in row]
+        if len(counts) != rows or len(flat) != rows * width or min(flat) < 0 or max(flat) > total:
+            raise ValueError(f"key counts must be [rows, width] = [{rows}, {width}], each in 0..{total}")
+        _last[:] = [counts, (rows, width, total), (ctypes.c_int64 * len(flat))(*flat)]
+    return _last[2]
