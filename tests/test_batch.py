@@ -38,13 +38,15 @@ def reference(method, target, draft, r: Request):
 
 
 def assert_rows_equal_batch1(target, draft, jobs, max_batch):
-    """jobs: (method, Request); the batch decodes them together, at most ``max_batch`` at a time."""
-    outs = decode_many(target, [r for _, r in jobs], draft=draft, max_batch=max_batch)
+    """jobs: (method, Request); a batch decodes them together, at most ``max_batch`` at a time. Returns it."""
+    batch = Batch(target, draft)
+    outs = batch.decode([r for _, r in jobs], max_batch)
     for (method, r), out in zip(jobs, outs, strict=True):
         ref = reference(method, target, draft, r)
         assert out.token_ids == ref.token_ids, (method, r.prompt_ids)
         assert out.trace == ref.trace
         assert {k: out.stats[k] for k in COUNTS} == {k: ref.stats[k] for k in COUNTS}
+    return batch
 
 
 @pytest.mark.parametrize("gamma", [1, 4])

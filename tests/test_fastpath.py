@@ -104,14 +104,44 @@ def test_choose_times_each_exact_lone_width_and_keeps_the_fastest(tmp_path, tiny
 
     monkeypatch.setattr(fastpath, "time_forwards", time_forwards)
     monkeypatch.setattr(fastpath, "exact_lone_widths", lambda trial: [1, 2])
+    monkeypatch.setattr(fastpath, "exact_row_limit", lambda trial: 40)
     store = tmp_path / "fastpath.json"
     path = choose(model, tiny_dir["llama_target"], store, dtype="float32")
-    assert path == CpuPath("float32", True, lone_rows=1)
+    assert path == CpuPath("float32", True, lone_rows=1, max_rows=40)
     entry = next(iter(json.loads(store.read_text()).values()))
     assert entry["timings"]["float32 packed"]["lone_row_ms"] == {"1": 3.0, "2": 5.0}
     assert choose(model, tiny_dir["llama_target"], store, dtype="float32") == path  # from the cache
     fastpath.convert(model, path)
-    assert {k.lone_rows for k in packing.packed_kernels(model)} == {1}
+    assert {(k.lone_rows, k.max_rows) for k in packing.packed_kernels(model)} == {(1, 40)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_past_the_exact_limit_go_in_chunks_and_the_limit_is_where_blocks_part(dtype, monkeypatch):
+    """A block of more rows than ``max_rows`` is computed in chunks of at most that many (oneDNN may sum a row
+    of a large block otherwise: on an AMX Xeon from 150 rows), and ``exact_row_limit`` finds the first block size
+    that parts: here a kernel made to part from 50 rows on."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=True)).to(getattr(torch, dtype))
+    pack_linears(model)
+    real = packing.packed_linear
+    sizes = []
+
+    def parting(flat, packed, bias, lone_rows=2):
+        sizes.append(flat.shape[0])
+        out = real(flat, packed, bias, lone_rows)
+        return out + torch.ones_like(out) * (flat.shape[0] >= 50)
+
+    monkeypatch.setattr(packing, "packed_linear", parting)
+    assert packing.exact_row_limit(model, top=80) == 49
+    packing.set_max_rows(model, 49)
+    x = torch.randn(120, 64, dtype=model[0].weight.dtype)
+    sizes.clear()
+    with torch.inference_mode():
+        whole = model(x)
+        assert max(sizes) == 49  # 49 + 49 + 22 per layer
+        assert torch.equal(whole, torch.cat([model(x[i:i + 6]) for i in range(0, 120, 6)]))
+    monkeypatch.setattr(packing, "packed_linear", real)
+    assert packing.exact_row_limit(model, top=80) == 80  # the real kernel on these shapes: no part up to 80
 
 
 def test_packing_fuses_shared_inputs_keeps_weights_and_ties_and_computes_the_same(tmp_path):
@@ -194,7 +224,8 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert len(calls) == 5
     entries = json.loads(store.read_text()).values()
     assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
-    assert sum(e["choice"] == {"dtype": "float32", "packed": True, "lone_rows": 2} for e in entries) == 2
+    chosen = [{k: e["choice"][k] for k in ("dtype", "packed", "lone_rows")} for e in entries]
+    assert chosen.count({"dtype": "float32", "packed": True, "lone_rows": 2}) == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -312,5 +343,8 @@ def test_testbed_batched_rows_equal_batch1_in_bfloat16(attention):
         jobs.append((method, Request(encode_problem(pair.target.tokenizer, problem), policy=pad if method == "pad"
                                      else None, max_new_tokens=64, eos_ids=eos_ids(pair.target),
                                      speculate=method != "ar")))
-    assert_rows_equal_batch1(pair.target, pair.draft, jobs, max_batch=8)
+    # Three rows at a time: rows join late, and with the kernel each prompt is computed inside a step, three
+    # of about 90 tokens in the first (past the linears' exact row limit, so in chunks), and equal batch 1.
+    batch = assert_rows_equal_batch1(pair.target, pair.draft, jobs, max_batch=3)
     assert bool(attention[1]) == (attention[0] == "kernel")
+    assert batch.joined_in_step == (len(jobs) if attention[0] == "kernel" else 0)

@@ -9,8 +9,9 @@ vLLM's rejection sampler, and a row's random numbers come from its own generator
 
 Rows of any acceptance policy (lossless SD, PAD at any sigma, a baseline) and target-only rows (``speculate``
 False) share a batch: the policy is per row. Rows join between steps (``Batch.add``: the prompt is
-prefilled alone, exactly as batch 1 does it, and copied into the batch's cache, ``slots.SlotCache``) and
-leave as soon as they finish (continuous batching). Timings in a row's stats are the batch's: each step's
+computed inside the next step's forward where that gives batch 1's numbers bit for bit, else prefilled alone,
+exactly as batch 1 does it, and copied into the batch's cache, ``slots.SlotCache``) and leave as soon as they
+finish (continuous batching). Timings in a row's stats are the batch's: each step's
 wall time counts for every row in it.
 """
 
@@ -23,9 +24,11 @@ from typing import Any
 
 import torch
 
+from pivotspec.decoding import query_attention
 from pivotspec.decoding.acceptance import Context, Lossless, for_answer
+from pivotspec.decoding.attention import FLOAT32_ATTENTION, KERNEL_ROWS
 from pivotspec.decoding.drafting import Proposal, fit_vocab
-from pivotspec.decoding.forward import model_forward
+from pivotspec.decoding.forward import Ragged, model_forward, runs_lean
 from pivotspec.decoding.loop import (
     Generation,
     Stopper,
@@ -41,6 +44,10 @@ from pivotspec.decoding.loop import (
 from pivotspec.decoding.models import LM, synchronize
 from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, residual, sample
 from pivotspec.decoding.slots import SlotCache, attention_masks
+
+# The lean forward skips a step's padding when it is at least this share of the positions (below it, computing
+# the padding cost less than gathering the tokens: a step whose rows all verify gamma drafts has none).
+RAGGED_SHARE = 0.75
 
 
 @dataclass
@@ -107,12 +114,13 @@ def _common_prefix(cached: list[int], seq: list[int], keep: int) -> int:
 class Batch:
     """Rows decoding together over one target (and optionally one draft); see the module doc."""
 
-    def __init__(self, target: LM, draft: LM | None = None):
-        self.target, self.draft = target, draft
+    def __init__(self, target: LM, draft: LM | None = None, in_step: bool = True):
+        self.target, self.draft, self.in_step = target, draft, in_step
         self.models = [m for m in (target, draft) if m is not None]
         self.caches = {id(m): SlotCache(m.model.config, next(m.model.parameters()).dtype, m.device)
                        for m in self.models}
         self.rows: list[Row] = []
+        self.joined_in_step = 0  # rows whose target prompt was computed inside a step (``joins_in_step``)
         self._prefilled: tuple[list[int], dict[int, Any]] | None = None  # the last prompt prefilled, per model
 
     def cache_bytes(self) -> int:
@@ -123,30 +131,60 @@ class Batch:
         """Raise a UsageError if the request cannot run here (empty prompt, too long for a model)."""
         check_fits(request.prompt_ids, request.max_new_tokens, *self.models)
 
+    def joins_in_step(self, m: LM, request: Request) -> bool:
+        """Whether a row's prompt is computed inside the next step's forward of ``m`` (with the other rows'
+        tokens, its padding skipped: ``forward.Ragged``) rather than prefilled alone: where that gives the
+        numbers of the prompt prefilled alone, bit for bit. That needs ``m``'s lean forward (whose linears
+        give a row the same numbers in any block, ``packing.exact_row_limit``) and every query attended by the
+        compiled kernel, over exactly its keys (bfloat16's float32 attention, blocks up to ``KERNEL_ROWS``).
+        Not for a batch made with ``in_step`` False: rollouts, whose rows share one prefix's prefill."""
+        return (self.in_step and runs_lean(m.model) and query_attention.enabled()
+                and getattr(m.model.config, "_attn_implementation", None) == FLOAT32_ATTENTION
+                and len(request.prompt_ids) + request.gamma <= KERNEL_ROWS)
+
     def add(self, request: Request) -> Row:
-        """Admit a row: its prompt (all but the last token) is prefilled alone and copied into the batch. Rows
-        whose prompts share everything but the last token (N rollouts from one prefix) share one prefill."""
+        """Admit a row. Its prompt (all but the last token) is computed inside the next step where that is
+        exact (:meth:`joins_in_step`: the prompt then shares that forward's reading of the weights with the
+        other rows, as vLLM's chunked prefill does), else prefilled alone and copied into the batch. Rows whose
+        prompts share everything but the last token (N rollouts from one prefix) share one prefill."""
         self.check(request)
         row = Row(request, self.target)
         prompt = request.prompt_ids
         start = time.perf_counter()
         forward_before = sum(m.forward_s for m in self.models)
-        if self._prefilled is None or self._prefilled[0] != prompt[:-1]:
+        alone = [m for m in self.models if len(prompt) > 1 and not self.joins_in_step(m, request)]
+        if self._prefilled is None or self._prefilled[0] != prompt[:-1] or any(
+                id(m) not in self._prefilled[1] for m in alone):
             prefills = {}
-            for m in self.models:
+            for m in alone:
                 m.reset()
-                if len(prompt) > 1:
-                    m.forward(prompt[:-1], keep_logits=0)
-                prefills[id(m)] = m.cache if len(prompt) > 1 else None
+                m.forward(prompt[:-1], keep_logits=0)
+                prefills[id(m)] = m.cache
                 m.cache, m.cached_ids = None, []  # the batch holds the keys now
             self._prefilled = (list(prompt[:-1]), prefills)
+        self.joined_in_step += len(prompt) > 1 and not any(self.target is a for a in alone)
         for m in self.models:
-            self.caches[id(m)].add_row(self._prefilled[1][id(m)], len(prompt) - 1)
-            row.cached[id(m)] = list(prompt[:-1])
+            filled = any(m is a for a in alone)
+            self.caches[id(m)].add_row(self._prefilled[1][id(m)] if filled else None, len(prompt) - 1 if filled else 0)
+            row.cached[id(m)] = list(prompt[:-1]) if filled else []
         row.stats["prefill_s"] = time.perf_counter() - start
         row.stats["prefill_forward_s"] = sum(m.forward_s for m in self.models) - forward_before
         self.rows.append(row)
         return row
+
+    def decode(self, requests: list[Request], max_batch: int = 8) -> list[Generation]:
+        """Decode ``requests`` here, at most ``max_batch`` rows at a time (see :func:`decode_many`)."""
+        for r in requests:
+            self.check(r)
+        results: dict[int, Generation] = {}
+        order = {id(r): i for i, r in enumerate(requests)}
+        waiting = list(requests)
+        while waiting or self.rows:
+            while waiting and len(self.rows) < max_batch:
+                self.add(waiting.pop(0))
+            for row, gen in self.step():
+                results[order[id(row.request)]] = gen
+        return [results[i] for i in range(len(requests))]
 
     def step(self) -> list[tuple[Row, Generation]]:
         """One speculative step for every row; returns the rows that finished, with their generations."""
@@ -266,43 +304,50 @@ class Batch:
         width = max(len(f) for f in feeds)
         pad = [max(0, width - len(f)) for f in feeds]
         ids = torch.tensor([f + [0] * p for f, p in zip(feeds, pad, strict=True)], device=lm.device)
-        cache.prepare(width)
         dtype = next(lm.model.parameters()).dtype
-        masks = attention_masks(lm.model.config, cache.lengths, width, max(cache.lengths) + width, lm.device, dtype)
+        # The lean forward skips the padding (a joining row's prompt makes the others' long): it is neither
+        # computed nor written to the cache, and its queries see no key, so per-query attention skips them
+        # too. Other forwards compute the padding as tokens.
+        fed = [len(f) for f in feeds]
+        sparse = sum(fed) <= RAGGED_SHARE * len(fed) * width  # a few rows of many tokens (a joining prompt)
+        ragged = Ragged(fed, [keep[b] if f else 0 for b, f in enumerate(feeds)]) if sparse and runs_lean(lm.model) \
+            else None
+        if ragged is not None:
+            cache.prepare(width, fed, ragged.tokens(width, lm.device))
+        else:
+            cache.prepare(width)
+        masks = attention_masks(lm.model.config, cache.lengths, width, cache.span(width), lm.device, dtype,
+                                fed if ragged else None)
         positions = torch.tensor(cache.lengths, device=lm.device)[:, None] + torch.arange(width, device=lm.device)
         synchronize(lm.device)
         start = time.perf_counter()
         out, captured = model_forward(lm.model, ids if lm.input_map is None else lm.input_map[ids], cache, keep=width,
                                       attention_mask=masks, position_ids=positions,
-                                      layers=tuple(lm.resolve_layer(layer) for layer in layers))
+                                      layers=tuple(lm.resolve_layer(layer) for layer in layers), ragged=ragged)
         hidden_of = {layer: captured[lm.resolve_layer(layer)] for layer in layers}
         synchronize(lm.device)
         lm.forward_s += time.perf_counter() - start
         logits: list[torch.Tensor | None] = []
         hidden: list[dict[int, torch.Tensor]] = []
+        offset = 0  # ragged outputs: each row's kept tokens, one row after another
         for b, (row, f) in enumerate(zip(self.rows, feeds, strict=True)):
-            kept = slice(len(f) - keep[b], len(f))  # the fed tokens are left-aligned, padding after them
-            rows = out[b, kept].float() if f else None
+            if ragged is not None:
+                kept = slice(offset, offset + ragged.keep[b])
+                offset += ragged.keep[b]
+                rows = out[kept].float() if f else None
+                hidden.append({layer: h[kept].float() for layer, h in hidden_of.items()} if f else {})
+            else:
+                kept = slice(len(f) - keep[b], len(f))  # the fed tokens are left-aligned, padding after them
+                rows = out[b, kept].float() if f else None
+                hidden.append({layer: h[b, kept].float() for layer, h in hidden_of.items()} if f else {})
             logits.append(lm.full_vocab(rows) if full_vocab and f else rows)
-            hidden.append({layer: h[b, kept].float() for layer, h in hidden_of.items()} if f else {})
             row.cached[id(lm)].extend(f)
             cache.lengths[b] += len(f)
         return logits, hidden
 
 
-def decode_many(target: LM, requests: list[Request], *, draft: LM | None = None,
-                max_batch: int = 8) -> list[Generation]:
+def decode_many(target: LM, requests: list[Request], *, draft: LM | None = None, max_batch: int = 8,
+                in_step: bool = True) -> list[Generation]:
     """Decode ``requests`` with at most ``max_batch`` rows at a time; a finished row's place goes to the next
-    request at once. Returns the generations in the requests' order."""
-    batch = Batch(target, draft)
-    for r in requests:
-        batch.check(r)
-    results: dict[int, Generation] = {}
-    order = {id(r): i for i, r in enumerate(requests)}
-    waiting = list(requests)
-    while waiting or batch.rows:
-        while waiting and len(batch.rows) < max_batch:
-            batch.add(waiting.pop(0))
-        for row, gen in batch.step():
-            results[order[id(row.request)]] = gen
-    return [results[i] for i in range(len(requests))]
+    request at once. Returns the generations in the requests' order. ``in_step``: see ``Batch.joins_in_step``."""
+    return Batch(target, draft, in_step).decode(requests, max_batch)

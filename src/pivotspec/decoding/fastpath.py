@@ -37,7 +37,16 @@ from torch import nn
 from pivotspec.decoding.attention import attention_in_float32
 from pivotspec.decoding.forward import make_lean, model_forward
 from pivotspec.decoding.machine import cpu_flags, cpu_name
-from pivotspec.decoding.packing import LONE_ROWS, LONE_WIDTHS, exact_lone_widths, pack_linears, set_lone_rows
+from pivotspec.decoding.packing import (
+    LONE_ROWS,
+    LONE_WIDTHS,
+    MAX_ROWS,
+    exact_lone_widths,
+    exact_row_limit,
+    pack_linears,
+    set_lone_rows,
+    set_max_rows,
+)
 from pivotspec.errors import UsageError
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,11 +74,13 @@ def capabilities() -> dict[str, Any]:
 @dataclass(frozen=True)
 class CpuPath:
     """One way to run a model on the CPU: weight dtype, whether linears use packed oneDNN weights, and for
-    packed ones how many rows a lone row is computed as (:func:`packed_linear`)."""
+    packed ones how many rows a lone row is computed as and how many one call takes at most
+    (``packing.PackedCompute``)."""
 
     dtype: str
     packed: bool
     lone_rows: int = LONE_ROWS
+    max_rows: int = MAX_ROWS
 
     @property
     def label(self) -> str:
@@ -152,6 +163,7 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     if path.packed:
         pack_linears(model)
         set_lone_rows(model, path.lone_rows)
+        set_max_rows(model, path.max_rows)
         make_lean(model)
     return model
 
@@ -159,7 +171,8 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
 def measure(model: nn.Module, paths: list[CpuPath]) -> dict[str, dict[str, Any]]:
     """Forward timings of each path on copies of ``model`` (a float32 CPU model, left as it is). A packed path
     is timed at each exact lone-row width (:func:`exact_lone_widths`) and reports its fastest, as
-    ``lone_rows``, with every width's 1-token ms in ``lone_row_ms``."""
+    ``lone_rows``, with every width's 1-token ms in ``lone_row_ms``, and the most rows one call keeps exact,
+    as ``max_rows`` (:func:`exact_row_limit`)."""
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
         trial = convert(copy.deepcopy(model), path)
@@ -176,7 +189,7 @@ def measure(model: nn.Module, paths: list[CpuPath]) -> dict[str, dict[str, Any]]
                 runs[width].append(time_forwards(trial, reps=3))
         by_width = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items()}
         width = min(by_width, key=lambda w: by_width[w]["1_token_ms"])
-        results[path.label] = {**by_width[width], "lone_rows": width,
+        results[path.label] = {**by_width[width], "lone_rows": width, "max_rows": exact_row_limit(trial),
                                "lone_row_ms": {str(w): t["1_token_ms"] for w, t in by_width.items()}}
         del trial
     return results
@@ -206,7 +219,8 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
         return paths[0]
     rule = f"|other dtypes save {OTHER_DTYPE_SAVING}" if len({p.dtype for p in paths}) > 1 else ""
     # "lean": packed paths run the lean Llama forward (``forward``), so verdicts timed before it are timed again
-    rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}|lean" if any(p.packed for p in paths) else ""
+    # "row limit": verdicts before the row limit was measured (``packing.exact_row_limit``) are measured again
+    rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}|lean|row limit" if any(p.packed for p in paths) else ""
     key = f"{machine_key()}|{model_key(source)}|{','.join(p.label for p in paths)}{rule}"
     try:
         cached = json.loads(store.read_text())
@@ -221,7 +235,8 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
             return ms / (1 - OTHER_DTYPE_SAVING) if dtype is None and p.dtype != "float32" else ms
 
         best = min(paths, key=cost)
-        best = CpuPath(best.dtype, best.packed, timings[best.label].get("lone_rows", best.lone_rows))
+        best = CpuPath(best.dtype, best.packed, timings[best.label].get("lone_rows", best.lone_rows),
+                       timings[best.label].get("max_rows", best.max_rows))
         entry = {"choice": asdict(best), "timings": timings, "model": str(source)}
         cached = {k: v for k, v in cached.items() if present(v.get("model", ""))}
         cached[key] = entry

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +64,30 @@ def signed(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
+@dataclass(frozen=True)
+class Ragged:
+    """Rows of different lengths in one [rows, width] input: row b's first ``fed[b]`` positions are tokens,
+    the rest padding, and its last ``keep[b]`` tokens give outputs. The lean forward computes the tokens only,
+    so a prompt of 80 tokens joining 7 rows of 6 (``batch.Batch``) costs 122 token rows of every linear, not
+    8 x 80, and the LM head runs on the kept rows only."""
+
+    fed: list[int]
+    keep: list[int]
+
+    def tokens(self, width: int, device: torch.device) -> torch.Tensor:
+        """Where the tokens are in the flattened [rows * width] input."""
+        return torch.tensor([b * width + i for b, n in enumerate(self.fed) for i in range(n)], dtype=torch.long,
+                            device=device)
+
+    def kept(self, device: torch.device) -> torch.Tensor:
+        """Where the kept tokens are among the tokens (in ``tokens``' order)."""
+        out, start = [], 0
+        for n, k in zip(self.fed, self.keep, strict=True):
+            out.extend(range(start + n - k, start + n))
+            start += n
+        return torch.tensor(out, dtype=torch.long, device=device)
+
+
 class LeanLlama:
     """transformers' ``LlamaForCausalLM`` forward over packed linears, as straight-line code. It reads the
     model's own modules (weights, rotary embedding, attention function and mask builder), so it computes what
@@ -84,12 +109,12 @@ class LeanLlama:
         self.head = kernel_of(model.lm_head)
 
     def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None,
-                 position_ids: torch.Tensor | None, keep: int, layers: tuple[int, ...]
-                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 position_ids: torch.Tensor | None, keep: int, layers: tuple[int, ...],
+                 ragged: Ragged | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         from transformers.masking_utils import create_causal_mask
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import eager_attention_forward
 
+        if ragged is not None:
+            return self.ragged(input_ids, cache, attention_mask, position_ids, layers, ragged)
         body, config = self.body, self.config
         rows, width = input_ids.shape
         x = body.embed_tokens(input_ids)
@@ -99,7 +124,7 @@ class LeanLlama:
                                   position_ids=position_ids)
         cos, sin = body.rotary_emb(x, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), signed(sin).unsqueeze(1)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        attention = self.attention()
         split = (rows, width, -1, self.head_dim)
         # One new token per row and no mask (a lone sequence's decode step, most of a decode's forwards) calls
         # PyTorch's SDPA directly, as transformers' SDPA attention (and ``attention.sdpa_in_float32`` in float32
@@ -135,6 +160,48 @@ class LeanLlama:
         logits = self.head.compute(last.reshape(rows * keep, -1))
         return logits.view(rows, keep, -1), captured
 
+    def attention(self) -> Any:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+
+    def ragged(self, input_ids: torch.Tensor, cache: Any, mask: Any, position_ids: torch.Tensor,
+               layers: tuple[int, ...], ragged: Ragged) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward of :meth:`__call__` over the tokens of a :class:`Ragged` input only: every op but
+        attention works on the [tokens, d] rows, as the same op does on the same rows of a padded input (they
+        are row by row, and the linears give a row the same numbers in any block up to their ``max_rows``);
+        attention gets them scattered back into [rows, width] (padding zeros, seeing no key under the mask
+        ``slots.attention_masks`` makes with ``fed``). Returns the logits of the kept tokens [kept, vocab] and
+        the hidden states there [kept, d]. ``mask``: the prepared [rows, 1, width, keys] mask."""
+        body = self.body
+        rows, width = input_ids.shape
+        tokens = ragged.tokens(width, input_ids.device)
+        x = body.embed_tokens(input_ids.reshape(-1)[tokens])
+        cos, sin = body.rotary_emb(x, position_ids=position_ids)
+        cos = cos.reshape(rows * width, 1, -1)[tokens]
+        sin = signed(sin).reshape(rows * width, 1, -1)[tokens]
+        attention = self.attention()
+        heads, kv_end, inter, dim = self.heads, self.q_size + self.kv_size, self.inter, self.head_dim
+        all_heads = heads + 2 * self.kv_heads
+        captured: dict[int, torch.Tensor] = {}
+        kept = ragged.kept(input_ids.device)
+        for index, (w_in, eps_in, qkv, out, w_post, eps_post, gate_up, down, module) in enumerate(self.layers):
+            fused = qkv.compute(rms_norm(x, w_in, eps_in))
+            padded = fused.new_zeros((rows * width, all_heads, dim))
+            padded[tokens, :heads + self.kv_heads] = rotate(fused[:, :kv_end].view(len(tokens), -1, dim), cos, sin)
+            padded[tokens, heads + self.kv_heads:] = fused[:, kv_end:].view(len(tokens), -1, dim)
+            padded = padded.view(rows, width, all_heads, dim).transpose(1, 2)
+            k, v = cache.update(padded[:, heads:heads + self.kv_heads], padded[:, heads + self.kv_heads:], index)
+            attended, _ = attention(module, padded[:, :heads], k, v, mask, dropout=0.0, scaling=module.scaling)
+            x = x + out.compute(attended.reshape(rows * width, -1)[tokens])
+            hidden = gate_up.compute(rms_norm(x, w_post, eps_post))
+            x = x + down.compute(F.silu(hidden[:, :inter]) * hidden[:, inter:])
+            if index + 1 in layers:
+                captured[index + 1] = x[kept]
+        final = body.norm
+        return self.head.compute(rms_norm(x[kept], final.weight, final.variance_epsilon)), captured
+
 
 def lean_supported(model: nn.Module) -> bool:
     """Whether :class:`LeanLlama` computes this model: a plain Llama (SiLU MLP, default or scaled rotary
@@ -165,17 +232,33 @@ def is_lean(model: nn.Module) -> bool:
     return getattr(model, LEAN, None) is not None
 
 
+def runs_lean(model: nn.Module) -> bool:
+    """Whether :func:`model_forward` runs ``model``'s lean forward now. A model whose forward was replaced on
+    the instance or that carries hooks on its top module is being watched or changed (tests slow it down,
+    users trace it): it goes through transformers, which runs them."""
+    return (getattr(model, LEAN, None) is not None and "forward" not in vars(model)
+            and not (model._forward_hooks or model._forward_pre_hooks))
+
+
 def model_forward(model: nn.Module, input_ids: torch.Tensor, cache: Any, *, keep: int = 1,
                   attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                  layers: tuple[int, ...] = (), ragged: Ragged | None = None
+                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Feed ``input_ids`` [rows, width] through ``model`` over ``cache``; return the logits of the last
     ``keep`` positions [rows, keep, vocab] in the model's dtype, and the hidden states there after each block
-    in ``layers`` (1 = after the first block, HF's ``hidden_states`` convention) [rows, keep, d]."""
-    lean = getattr(model, LEAN, None)
-    # A model whose forward was replaced on the instance or that carries hooks on its top module is being
-    # watched or changed (tests slow it down, users trace it): it goes through transformers, which runs them.
-    if lean is not None and "forward" not in vars(model) and not (model._forward_hooks or model._forward_pre_hooks):
-        return lean(input_ids, cache, attention_mask, position_ids, keep, layers)
+    in ``layers`` (1 = after the first block, HF's ``hidden_states`` convention) [rows, keep, d]. With
+    ``ragged`` (rows of different lengths, :class:`Ragged`): the logits and hidden states of each row's kept
+    tokens, rows one after another, [kept, vocab] and [kept, d]; only the lean forward skips the padding
+    (:func:`runs_lean`), transformers' computes it and the outputs are picked from its."""
+    if runs_lean(model):
+        return getattr(model, LEAN)(input_ids, cache, attention_mask, position_ids, keep, layers, ragged)
+    if ragged is not None:
+        rows, width = input_ids.shape
+        logits, hidden = model_forward(model, input_ids, cache, keep=width, attention_mask=attention_mask,
+                                       position_ids=position_ids, layers=layers)
+        picked = ragged.tokens(width, input_ids.device)[ragged.kept(input_ids.device)]
+        return (logits.reshape(rows * width, -1)[picked],
+                {layer: h.reshape(rows * width, -1)[picked] for layer, h in hidden.items()})
     captured: dict[int, torch.Tensor] = {}
     handles = [model.model.layers[layer - 1].register_forward_hook(
         lambda _m, _i, out, layer=layer: captured.__setitem__(layer, out[0] if isinstance(out, tuple) else out))

@@ -17,6 +17,8 @@ from torch import nn
 
 LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which are exact and fastest is measured
 LONE_ROWS = 2  # the width before it is measured (and where none is exact): what every earlier number used
+ROW_LIMIT = 256  # the most rows one call may take (more go in chunks); how many are exact is measured below it
+MAX_ROWS = 128  # the limit before it is measured
 
 
 def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -40,17 +42,25 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedCompute:
-    """What a packed linear and a fused group share: ``compute`` over ``packed``, ``bias`` and ``lone_rows``.
-    A lone row is copied into a zeroed scratch block kept between calls rather than padded anew: the padding
-    was three small ops on each of the 121 linears of a testbed-target step (``F.pad``: allocate, fill, copy)."""
+    """What a packed linear and a fused group share: ``compute`` over ``packed``, ``bias``, ``lone_rows`` and
+    ``max_rows``. A lone row is copied into a zeroed scratch block kept between calls rather than padded anew:
+    the padding was three small ops on each of the 121 linears of a testbed-target step (``F.pad``: allocate,
+    fill, copy). More than ``max_rows`` rows go in chunks of at most that many: oneDNN may sum a row of a large
+    block differently from the same row in a small one (on an Intel Xeon with AMX, the testbed target's
+    1536-wide down projection parted at 67 of the block sizes 150-256, and at none up to 128), so a prompt
+    computed inside a batch's forward, or a batch of 32 rows, would not get the numbers of the same tokens
+    computed alone (:func:`exact_row_limit` measures the limit)."""
 
     packed: torch.Tensor
     bias: torch.Tensor | None
     lone_rows: int
+    max_rows: int = MAX_ROWS
     _scratch: torch.Tensor | None = None
 
     def compute(self, flat: torch.Tensor) -> torch.Tensor:
         """The layer (or every member of the group, side by side) on a [rows, in_features] input."""
+        if flat.shape[0] > self.max_rows:
+            return torch.cat([self.compute(part) for part in flat.split(self.max_rows)])
         if flat.shape[0] != 1 or self.lone_rows == 1:
             return packed_linear(flat, self.packed, self.bias, self.lone_rows)
         scratch = self._scratch
@@ -166,6 +176,35 @@ def packed_kernels(model: nn.Module) -> list[PackedLinear | FusedLinears]:
 def set_lone_rows(model: nn.Module, rows: int) -> None:
     for kernel in packed_kernels(model):
         kernel.lone_rows = rows
+
+
+def set_max_rows(model: nn.Module, rows: int) -> None:
+    for kernel in packed_kernels(model):
+        kernel.max_rows = rows
+
+
+def exact_row_limit(model: nn.Module, top: int = ROW_LIMIT, block: int = 6) -> int:
+    """The most rows (up to ``top``) up to which every block size gives each row, bit for bit, the numbers a
+    block of ``block`` rows gives it (the verification's width), for every packed weight shape of ``model``,
+    probed with seeded random rows: every block size from 2, except on weights wider than 8,192 outputs (an LM
+    head, which sees only the kept rows of a step), where a set of sizes around the powers of two is probed,
+    as probing every size took seconds. At least ``block`` (the widths a step computes at batch 1)."""
+    gen = torch.Generator().manual_seed(0)
+    sparse = sorted({m for p in (4, 8, 16, 32, 64, 128, 256) for m in (p - 1, p, p + 1) if 2 <= m <= top}
+                    | set(range(2, 17)) | {top})
+    first_bad = top + 1
+    shapes = {(tuple(k.packed.shape), k.bias is None): k for k in packed_kernels(model)}
+    with torch.inference_mode():
+        for k in shapes.values():
+            x = torch.randn(top, k.in_features, generator=gen).to(k.dtype)
+            reference = torch.cat([packed_linear(x[i:i + block], k.packed, k.bias) for i in range(0, top, block)])
+            sizes = sparse if reference.shape[1] > 8192 else range(2, top + 1)
+            for m in sizes:
+                if m >= first_bad:
+                    break
+                if not torch.equal(packed_linear(x[:m], k.packed, k.bias), reference[:m]):
+                    first_bad = m
+    return max(block, first_bad - 1)
 
 
 def exact_lone_widths(model: nn.Module, widths: tuple[int, ...] = LONE_WIDTHS, rows: int = 6) -> list[int]:

@@ -32,9 +32,14 @@ class SlotLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols, width = self.owner.plan(key_states.shape[-2])
-        # Advanced indices on dims 0 and 2 put their [B, T] shape first: the target is [B, T, heads, dim].
-        self.keys[rows, :, cols] = key_states.transpose(1, 2)
-        self.values[rows, :, cols] = value_states.transpose(1, 2)
+        keys, values = key_states.transpose(1, 2), value_states.transpose(1, 2)  # [B, T, heads, dim]
+        tokens = self.owner.tokens
+        if tokens is not None:  # the tokens only: padding is never read, so it is not written
+            rows, cols = rows.expand_as(cols).reshape(-1)[tokens], cols.reshape(-1)[tokens]
+            keys, values = keys.flatten(0, 1)[tokens], values.flatten(0, 1)[tokens]
+        # Advanced indices on dims 0 and 2 put their shape first: the target is [B, T, heads, dim] ([N, ...]).
+        self.keys[rows, :, cols] = keys
+        self.values[rows, :, cols] = values
         return self.keys[:, :, :width], self.values[:, :, :width]
 
 
@@ -48,6 +53,8 @@ class SlotCache(DynamicCache):
         empty = torch.zeros((0, heads, 0, head_dim), dtype=dtype, device=device)
         self.layers = [SlotLayer(self, empty) for _ in range(config.num_hidden_layers)]
         self.lengths: list[int] = []
+        self.fed: list[int] | None = None  # this forward's tokens per row, when the rest of its width is padding
+        self.tokens: torch.Tensor | None = None  # where they are in the flattened [rows * width] input
         self._starts = torch.zeros(0, dtype=torch.long, device=device)
 
     @property
@@ -56,14 +63,24 @@ class SlotCache(DynamicCache):
 
     def plan(self, new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Where a forward of ``new`` tokens per row writes: row indices [B, 1], columns [B, new], and how
-        many columns attention reads."""
+        many columns attention reads (:meth:`span`)."""
         cols = self._starts[:, None] + torch.arange(new, device=self._starts.device)
         rows = torch.arange(len(self.lengths), device=self._starts.device)[:, None]
-        return rows, cols, max(self.lengths) + new
+        return rows, cols, self.span(new)
 
-    def prepare(self, new: int) -> None:
-        """Make room for ``new`` more tokens in every row and fix this forward's write positions."""
-        need = max(self.lengths) + new
+    def span(self, new: int) -> int:
+        """The columns a forward of ``new`` positions per row reaches: up to each row's last token (with
+        ``fed``, its last real one; the padding is not written, so a long joining prompt does not stretch
+        the rows beside it)."""
+        fed = self.fed or [new] * len(self.lengths)
+        return max(n + f for n, f in zip(self.lengths, fed, strict=True))
+
+    def prepare(self, new: int, fed: list[int] | None = None, tokens: torch.Tensor | None = None) -> None:
+        """Make room for ``new`` more positions in every row and fix this forward's write positions; ``fed``
+        and ``tokens`` (``forward.Ragged``): the real tokens per row and where they are, when the rest is
+        padding that is neither computed nor written."""
+        self.fed, self.tokens = fed, tokens
+        need = self.span(new)
         if need > self.capacity:
             self._resize(len(self.lengths), max(need, 2 * self.capacity, 64))
         self._starts = torch.tensor(self.lengths, device=self._starts.device)
@@ -103,12 +120,17 @@ def layer_kinds(config: Any) -> list[str]:
 
 
 def attention_masks(config: Any, starts: list[int], new: int, width: int, device: torch.device,
-                    dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+                    dtype: torch.dtype, fed: list[int] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
     """[rows, 1, new, width] masks for a forward of ``new`` tokens per row written at ``starts``: a tensor
-    when every layer has one kind of attention, else one per kind keyed as HF's mask mappings are."""
-    pos = torch.tensor(starts, device=device)[:, None] + torch.arange(new, device=device)  # [B, T]
+    when every layer has one kind of attention, else one per kind keyed as HF's mask mappings are. With
+    ``fed`` (the real tokens of each row, the rest padding), a padding query sees no key, so that attention
+    that computes each query over exactly its keys (``attention.sdpa_in_float32``) skips it."""
+    steps = torch.arange(new, device=device)
+    pos = torch.tensor(starts, device=device)[:, None] + steps  # [B, T]
     cols = torch.arange(width, device=device)
     visible = cols[None, None, :] <= pos[:, :, None]
+    if fed is not None:
+        visible = visible & (steps[None, :] < torch.tensor(fed, device=device)[:, None])[:, :, None]
     kinds = layer_kinds(config)
     masks = {}
     for kind in kinds:

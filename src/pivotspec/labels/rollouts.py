@@ -233,9 +233,10 @@ class PolicyEngine:
                                     sources=r.sources + [first]))
                 where.append((k, j))
         outs = [[[t] for t in r.first_tokens] for r in requests]
-        # Rows of one request are added together and share its prefix's prefill.
-        for (k, j), gen in zip(where, decode_many(self.target, rows, draft=self.draft, max_batch=max(1, len(rows))),
-                               strict=True):
+        # Rows of one request are added together and share its prefix's prefill (computed once, alone, not
+        # once per row inside the step).
+        gens = decode_many(self.target, rows, draft=self.draft, max_batch=max(1, len(rows)), in_step=False)
+        for (k, j), gen in zip(where, gens, strict=True):
             outs[k][j] += gen.token_ids
         return outs
 
