@@ -108,6 +108,32 @@ def test_rows_leave_and_join_between_steps(pair):
     assert batch.caches[id(target)].lengths == []
 
 
+def test_leaving_rows_are_filled_from_the_end_and_the_rows_that_stay_keep_their_keys():
+    from transformers import LlamaConfig
+
+    from pivotspec.decoding.slots import SlotCache, compacted
+
+    assert compacted(8, {2, 5}) == [0, 1, 6, 3, 4, 7]  # two moves, not four shifts
+    assert compacted(8, {7}) == list(range(7)) and compacted(3, {0, 1, 2}) == [] and compacted(4, {0, 1}) == [2, 3]
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=1)
+    cache = SlotCache(config, torch.float32, torch.device("cpu"))
+    for length in (3, 5, 2, 4):
+        cache.add_row(None, 0)
+        cache.lengths[-1] = length
+    with torch.inference_mode():  # as a forward writes them
+        for layer in cache.layers:  # each row's used columns hold its own number
+            for b, length in enumerate(cache.lengths):
+                layer.keys[b, :, :length], layer.values[b, :, :length] = b + 1, -(b + 1)
+    buffer = cache.layers[0].keys
+    cache.keep_rows(compacted(4, {0, 2}))  # row 3 moves into row 0's place, row 1 stays
+    assert cache.lengths == [4, 5] and cache.layers[0].keys is buffer  # moved in place, nothing reallocated
+    for layer in cache.layers:
+        assert (layer.keys[0, :, :4] == 4).all() and (layer.values[0, :, :4] == -4).all()
+        assert (layer.keys[1, :, :5] == 2).all() and (layer.values[1, :, :5] == -2).all()
+    cache.add_row(None, 0)  # a join reuses a free buffer row
+    assert cache.layers[0].keys is buffer and cache.lengths == [4, 5, 0]
+
+
 def test_bad_request_is_refused_before_it_joins(pair):
     from pivotspec.errors import UsageError
 

@@ -43,7 +43,7 @@ from pivotspec.decoding.loop import (
 )
 from pivotspec.decoding.models import LM, synchronize
 from pivotspec.decoding.sampling import SamplingConfig, logits_to_probs, residual, sample
-from pivotspec.decoding.slots import SlotCache, attention_masks
+from pivotspec.decoding.slots import SlotCache, attention_masks, compacted
 
 # The lean forward skips a step's padding when it is at least this share of the positions (below it, computing
 # the padding cost less than gathering the tokens: a step whose rows all verify gamma drafts has none).
@@ -210,7 +210,7 @@ class Batch:
                 done.append(row)
         self._prefilled = None  # a step boundary: the next row's prefill is its own (it holds memory otherwise)
         if done:
-            keep = [b for b, row in enumerate(rows) if row not in done]
+            keep = compacted(len(rows), {b for b, row in enumerate(rows) if row in done})
             for cache in self.caches.values():
                 cache.keep_rows(keep)
             self.rows = [rows[b] for b in keep]
