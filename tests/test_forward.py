@@ -25,9 +25,15 @@ def tiny_llama(seed: int = 0, **overrides):
     return LlamaForCausalLM(LlamaConfig(**{**config, **overrides})).eval()
 
 
-def pair_of(dtype: str, **overrides):
-    """The same packed model twice: with the lean forward, and through transformers (its lean one removed)."""
-    lean, reference = (fastpath.convert(tiny_llama(**overrides), fastpath.CpuPath(dtype, True)) for _ in range(2))
+@pytest.fixture(params=[True, False], ids=["packed", "plain"])
+def packed(request):
+    return request.param
+
+
+def pair_of(dtype: str, packed: bool, **overrides):
+    """The same model twice, its linears packed or not: with the lean forward, and through transformers (its lean
+    one removed)."""
+    lean, reference = (fastpath.convert(tiny_llama(**overrides), fastpath.CpuPath(dtype, packed)) for _ in range(2))
     delattr(reference, LEAN)  # (packed weights are opaque tensors: a model is built twice, not copied)
     assert is_lean(lean) and not is_lean(reference)
     return lean, reference
@@ -41,8 +47,8 @@ def same(a, b):
 
 @pytest.mark.parametrize("kv_heads", [2, 4])  # grouped-query attention and plain multi-head (the testbed drafts)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_one_sequence_over_a_growing_cache(dtype, kv_heads):
-    lean, reference = pair_of(dtype, num_key_value_heads=kv_heads)
+def test_one_sequence_over_a_growing_cache(dtype, kv_heads, packed):
+    lean, reference = pair_of(dtype, packed, num_key_value_heads=kv_heads)
     caches = {id(m): growing_cache(m.config) for m in (lean, reference)}
     with torch.inference_mode():
         for ids, keep, layers in [([3, 9, 4, 17, 5, 8, 1], 2, (1,)), ([22], 1, (1, 3)), ([6, 2, 7, 30, 11, 4], 6, (2,)),
@@ -60,8 +66,8 @@ def test_one_sequence_over_a_growing_cache(dtype, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_batch_over_the_slot_cache_with_masks_and_positions(dtype):
-    lean, reference = pair_of(dtype)
+def test_a_batch_over_the_slot_cache_with_masks_and_positions(dtype, packed):
+    lean, reference = pair_of(dtype, packed)
     prompts = [[3, 9, 4, 17, 5], [8, 1], [22, 6, 2, 7, 30, 11, 4, 40]]
     with torch.inference_mode():
         outs = []
@@ -83,8 +89,8 @@ def test_a_batch_over_the_slot_cache_with_masks_and_positions(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rollouts_with_a_padding_mask(dtype):
-    lean, reference = pair_of(dtype)
+def test_rollouts_with_a_padding_mask(dtype, packed):
+    lean, reference = pair_of(dtype, packed)
     with torch.inference_mode():
         outs = []
         for model in (lean, reference):
@@ -102,7 +108,7 @@ def test_lean_forward_only_where_it_computes_the_model(tiny_dir):
     from transformers import AutoModelForCausalLM
 
     assert is_lean(fastpath.convert(tiny_llama(), fastpath.CpuPath("float32", True)))
-    assert not is_lean(fastpath.convert(tiny_llama(), fastpath.CpuPath("float32", False)))  # plain: transformers
+    assert is_lean(fastpath.convert(tiny_llama(), fastpath.CpuPath("float32", False)))  # over its own linears
     assert not is_lean(fastpath.convert(tiny_llama(hidden_act="gelu"), fastpath.CpuPath("float32", True)))
     qwen3 = AutoModelForCausalLM.from_pretrained(tiny_dir["qwen3_target"]).eval()  # q/k norms: not a plain Llama
     assert not is_lean(fastpath.convert(qwen3, fastpath.CpuPath("float32", True)))

@@ -156,7 +156,7 @@ def time_forwards(model: nn.Module, reps: int = 7, context: int = 64) -> dict[st
 
 def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked, giving a plain Llama the lean
-    forward over them (``forward.make_lean``)."""
+    forward over them, packed or not (``forward.make_lean``)."""
     model.to(FLOAT_DTYPES[path.dtype])
     if path.dtype != "float32":
         attention_in_float32(model)
@@ -164,7 +164,7 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
         pack_linears(model)
         set_lone_rows(model, path.lone_rows)
         set_max_rows(model, path.max_rows)
-        make_lean(model)
+    make_lean(model)
     return model
 
 
@@ -220,7 +220,9 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
     rule = f"|other dtypes save {OTHER_DTYPE_SAVING}" if len({p.dtype for p in paths}) > 1 else ""
     # "lean": packed paths run the lean Llama forward (``forward``), so verdicts timed before it are timed again
     # "row limit": verdicts before the row limit was measured (``packing.exact_row_limit``) are measured again
-    rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}|lean|row limit" if any(p.packed for p in paths) else ""
+    # "plain lean": plain paths run it too since, so their timings (and the verdicts) moved
+    rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}|lean|row limit|plain lean" if any(
+        p.packed for p in paths) else ""
     key = f"{machine_key()}|{model_key(source)}|{','.join(p.label for p in paths)}{rule}"
     try:
         cached = json.loads(store.read_text())

@@ -1,13 +1,15 @@
 """One forward of a causal LM over a KV cache, returning the logits and hidden states the decoding loops need.
 
-Where the CPU fast path packed a Llama-family model's linears (``fastpath``), the forward runs a lean copy of
-transformers' Llama forward (:class:`LeanLlama`): the same operations in the same order, so the same numbers
-bit for bit (tested), without what a general library needs and a decode step does not: a module call per
-norm, attention, MLP and linear with its hooks and keyword plumbing, output records, a hook to read a hidden
-state. Why: on the testbed target (30 layers, packed bfloat16) transformers' decode step spent about 7 of its
-29 ms in Python between the kernels (torch.profiler); the lean forward took 15-21% off the 1- and 6-token
-forwards in bfloat16, 8-15% in float32 and 21-28% on the small draft (benchmarks/cpu_forwards.py). Every
-other model, and every model off the CPU, goes through transformers.
+On the CPU fast path (``fastpath``), a plain Llama's forward runs a lean copy of transformers' Llama forward
+(:class:`LeanLlama`), over packed linears or over the model's own (:class:`PlainLinears`): the same
+operations in the same order, so the same numbers bit for bit (tested), without what a general library
+needs and a decode step does not: a module call per norm, attention, MLP and linear with its hooks and
+keyword plumbing, output records, a hook to read a hidden state. Why: on the testbed target (30 layers,
+packed bfloat16) transformers' decode step spent about 7 of its 29 ms in Python between the kernels
+(torch.profiler); the lean forward took 15-21% off the 1- and 6-token forwards in bfloat16, 8-15% in float32
+and 21-28% on the small draft (benchmarks/cpu_forwards.py); over the float32 testbed draft's own linears,
+14% off its forwards in a batch of 8 (0.77 to 0.66 s of a 16-problem PAD run, same process). Every other
+model, and every model off the CPU, goes through transformers.
 """
 
 from __future__ import annotations
@@ -88,10 +90,31 @@ class Ragged:
         return torch.tensor(out, dtype=torch.long, device=device)
 
 
+class PlainLinears:
+    """``nn.Linear`` modules that read one input, computed as transformers computes them (one ``F.linear``
+    each), their outputs side by side: what a packed group (``packing.FusedLinears``) gives the lean forward,
+    for a model whose linears are not packed."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+
+    def compute(self, flat: torch.Tensor) -> torch.Tensor:
+        outs = [F.linear(flat, lin.weight, lin.bias) for lin in self.linears]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+
+def lean_kernel(module: nn.Module, *names: str) -> Any:
+    """What computes ``module``'s linears ``names`` (which read one input) for the lean forward: their packed
+    weight or group, or :class:`PlainLinears` over the modules themselves."""
+    first = getattr(module, names[0])
+    return kernel_of(first) if isinstance(first, (PackedLinear, FusedMember)) else \
+        PlainLinears([getattr(module, n) for n in names])
+
+
 class LeanLlama:
-    """transformers' ``LlamaForCausalLM`` forward over packed linears, as straight-line code. It reads the
-    model's own modules (weights, rotary embedding, attention function and mask builder), so it computes what
-    the model computes; only the call structure is flattened."""
+    """transformers' ``LlamaForCausalLM`` forward, as straight-line code. It reads the model's own modules
+    (weights, rotary embedding, attention function and mask builder), so it computes what the model computes;
+    only the call structure is flattened."""
 
     def __init__(self, model: nn.Module):
         config, body = model.config, model.model
@@ -102,11 +125,13 @@ class LeanLlama:
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.inter = config.intermediate_size
         self.layers = [(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                        kernel_of(layer.self_attn.q_proj), kernel_of(layer.self_attn.o_proj),
+                        lean_kernel(layer.self_attn, "q_proj", "k_proj", "v_proj"),
+                        lean_kernel(layer.self_attn, "o_proj"),
                         layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                        kernel_of(layer.mlp.gate_proj), kernel_of(layer.mlp.down_proj), layer.self_attn)
+                        lean_kernel(layer.mlp, "gate_proj", "up_proj"), lean_kernel(layer.mlp, "down_proj"),
+                        layer.self_attn)
                        for layer in body.layers]
-        self.head = kernel_of(model.lm_head)
+        self.head = lean_kernel(model, "lm_head")
 
     def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None, keep: int, layers: tuple[int, ...],
@@ -205,19 +230,27 @@ class LeanLlama:
 
 def lean_supported(model: nn.Module) -> bool:
     """Whether :class:`LeanLlama` computes this model: a plain Llama (SiLU MLP, default or scaled rotary
-    embedding, no tensor-parallel split) whose linears are all packed, fused where they share an input."""
+    embedding, no tensor-parallel split) whose linears are all packed, fused where they share an input, or all
+    plain ``nn.Linear``."""
     config = model.config
     if type(model).__name__ != "LlamaForCausalLM" or getattr(config, "hidden_act", None) != "silu":
         return False
     if int(getattr(config, "pretraining_tp", 1) or 1) != 1:
         return False
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not (isinstance(attn.q_proj, FusedMember) and attn.q_proj.index == 0 and len(attn.q_proj.group.sizes) == 3
-                and isinstance(mlp.gate_proj, FusedMember) and len(mlp.gate_proj.group.sizes) == 2
-                and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)):
-            return False
-    return isinstance(model.lm_head, PackedLinear)
+    layers = model.model.layers
+    if all(packed_layer(layer) for layer in layers) and isinstance(model.lm_head, PackedLinear):
+        return True
+    plain = [getattr(layer.self_attn, n) for layer in layers for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    plain += [getattr(layer.mlp, n) for layer in layers for n in ("gate_proj", "up_proj", "down_proj")]
+    return all(type(lin) is nn.Linear for lin in [*plain, model.lm_head])
+
+def packed_layer(layer: nn.Module) -> bool:
+    """Whether a decoder layer's linears are packed as the lean forward reads them: q, k and v fused, gate
+    and up fused, the other two packed alone."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (isinstance(attn.q_proj, FusedMember) and attn.q_proj.index == 0 and len(attn.q_proj.group.sizes) == 3
+            and isinstance(mlp.gate_proj, FusedMember) and len(mlp.gate_proj.group.sizes) == 2
+            and isinstance(attn.o_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear))
 
 
 def make_lean(model: nn.Module) -> bool:
