@@ -259,6 +259,12 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     assert not same_run(a, b)  # but a labels file does not resume in another dtype
     old = {k: v for k, v in b.items() if k != "dtype"}  # written before dtypes were recorded: all float32
     assert same_run(old, {**b, "dtype": "float32"}) and not same_run(old, {**b, "dtype": "bfloat16"})
+    from pivotspec.labels.walk import identity_diff
+
+    # the one-line refusal names the dtype and the fix, not just "a different target"
+    assert identity_diff({"target": {**b, "dtype": "float32"}}, {"target": {**b, "dtype": "bfloat16"}}) == [
+        "target dtype (float32 there, bfloat16 here: --dtype float32 matches it)"]
+    assert identity_diff({"target": a}, {"target": {**a, "weights": "other"}}) == ["target"]
 
 
 def test_sliding_windows_are_told_apart():

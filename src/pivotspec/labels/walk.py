@@ -134,11 +134,19 @@ def same_run(a: dict | None, b: dict | None) -> bool:
 
 
 def identity_diff(a: dict, b: dict) -> list[str]:
-    """The ``IDENTITY`` fields on which two labels records (or a record and a run) differ."""
-    def same(k: str) -> bool:
-        return same_run(a.get(k), b.get(k)) if k in ("target", "draft") else a.get(k) == b.get(k)
+    """The ``IDENTITY`` fields on which two labels records (or a record and a run) differ; a model that
+    differs only in dtype is named with both (``a``'s first), since ``--dtype`` is then the fix."""
+    def named(k: str) -> str | None:
+        if k not in ("target", "draft"):
+            return None if a.get(k) == b.get(k) else k
+        if same_run(a.get(k), b.get(k)):
+            return None
+        if same_model(a.get(k), b.get(k)):
+            dtypes = [m.get("dtype", "float32") for m in (a[k], b[k])]
+            return f"{k} dtype ({dtypes[0]} there, {dtypes[1]} here: --dtype {dtypes[0]} matches it)"
+        return k
 
-    return sorted(k for k in IDENTITY if not same(k))
+    return sorted(n for n in map(named, IDENTITY) if n)
 
 
 def screen_request(target: LM, problem: Problem, prompt: list[int], cfg: LabelConfig) -> RolloutRequest:
