@@ -20,7 +20,7 @@ VERIFY_ROWS = 16  # blocks up to this wide (gamma + 1) attend one query at a tim
 KERNEL_ROWS = 256  # blocks up to this wide go to the kernel where it is (wider prefills: PyTorch's attention whole)
 
 
-_last: list = [None, None]  # the mask whose counts were read last, and its counts: every layer passes the same
+_last: tuple = (None, None)  # the mask whose counts were read last, and its counts: every layer passes the same
 
 
 def key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> list[list[int]] | None:
@@ -28,11 +28,13 @@ def key_counts(mask: torch.Tensor | None, rows: int, width: int, total: int) -> 
     attention over a single sequence's cache or over the batch's slot cache); None otherwise (a sliding
     window, a float mask), where attention goes through SDPA whole. Read once per mask (it took 0.1 ms a
     layer for a batch with a joining prompt)."""
-    if mask is not None and mask is _last[0]:
-        return _last[1]
+    global _last
+    last = _last  # one read: a pair another thread replaces whole
+    if mask is not None and mask is last[0]:
+        return last[1]
     counts = _key_counts(mask, rows, width, total)
     if mask is not None:
-        _last[:] = [mask, counts]
+        _last = (mask, counts)
     return counts
 
 

@@ -109,14 +109,18 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: 
     return out
 
 
-_last: list = [None, None, None]  # the counts list last turned into a table, its shape check, and the table
+_last: tuple = (None, None, None)  # the counts list last turned into a table, its shape check, and the table
 
 
 def _table(counts: list[list[int]], rows: int, width: int, total: int) -> ctypes.Array:
     """``counts`` as the C array the kernel reads, checked against the call's shape."""
-    if _last[0] is not counts or _last[1] != (rows, width, total):
-        flat = [n for row in counts for n in row]
-        if len(counts) != rows or len(flat) != rows * width or min(flat) < 0 or max(flat) > total:
-            raise ValueError(f"key counts must be [rows, width] = [{rows}, {width}], each in 0..{total}")
-        _last[:] = [counts, (rows, width, total), (ctypes.c_int64 * len(flat))(*flat)]
-    return _last[2]
+    global _last
+    last = _last  # one read: a triple another thread replaces whole
+    if last[0] is counts and last[1] == (rows, width, total):
+        return last[2]
+    flat = [n for row in counts for n in row]
+    if len(counts) != rows or len(flat) != rows * width or min(flat) < 0 or max(flat) > total:
+        raise ValueError(f"key counts must be [rows, width] = [{rows}, {width}], each in 0..{total}")
+    table = (ctypes.c_int64 * len(flat))(*flat)
+    _last = (counts, (rows, width, total), table)
+    return table
