@@ -205,3 +205,21 @@ def test_testbed_pairs_batched_equal_batch1(pair_name, testbed_pair):
         jobs.append((method, Request(encode_problem(pair.target.tokenizer, problem), policy=pad if method == "pad"
                                      else None, max_new_tokens=48, eos_ids=eos_ids(pair.target))))
     assert_rows_equal_batch1(pair.target, pair.draft, jobs, max_batch=4)
+
+
+def test_a_finished_batch_frees_its_caches_without_the_garbage_collector(pair):
+    """Reference counting alone frees a batch's KV caches: a cycle through them waited for a full collection,
+    and the labeler's batches of rollouts piled up gigabytes until the process was killed."""
+    import gc
+    import weakref
+
+    target, draft = pair
+    batch = Batch(target, draft)
+    batch.decode([Request([5, 6, 7], gamma=3, max_new_tokens=6)])
+    caches = [weakref.ref(c) for c in batch.caches.values()]
+    gc.disable()
+    try:
+        del batch
+        assert [c() for c in caches] == [None] * len(caches)
+    finally:
+        gc.enable()
