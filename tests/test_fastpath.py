@@ -332,6 +332,38 @@ def test_batched_rows_equal_batch1_in_bfloat16(tiny_dir, gamma, attention):
     assert bool(attention[1]) == (attention[0] == "kernel")
 
 
+@needs_bf16
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_rows_take_a_shared_prefix_and_still_equal_batch1(tiny_dir, attention, max_batch):
+    """Prefix caching: a joining row takes the keys of the start it shares with a row in the batch (3 at a
+    time) or with the last row that left (1 at a time), a system prompt or an earlier turn, and computes the
+    rest; every row still equals its batch-1 decode, and the rows count the tokens they took."""
+    import random
+
+    from pivotspec.decoding.batch import Batch, Request
+    from tests.test_batch import assert_rows_equal_batch1
+
+    target = load_lm(str(tiny_dir["llama_target"]), dtype="bfloat16")
+    draft = load_lm(str(tiny_dir["llama_draft"]), dtype="bfloat16")
+    rng = random.Random(5)
+    system = [rng.randrange(2, 32) for _ in range(10)]
+    prompts = [system + [first] + [rng.randrange(2, 32) for _ in range(rng.randint(1, 6))] for first in range(2, 8)]
+    first = Batch(target, draft).decode([Request(prompts[0], gamma=3, max_new_tokens=8)])[0]
+    prompts.insert(1, prompts[0] + first.token_ids[:3] + [9])  # the next turn of the first row's conversation
+    jobs = [("sd", Request(ids, gamma=3, max_new_tokens=8)) for ids in prompts]
+    batch = assert_rows_equal_batch1(target, draft, jobs, max_batch=max_batch)
+    outs = batch.decode([r for _, r in jobs], max_batch)  # the same batch again: rows start from kept keys too
+    assert [o.token_ids for o in outs] == [ref.token_ids for ref in Batch(target, draft).decode([r for _, r in jobs],
+                                                                                                  max_batch)]
+    cached = [o.stats["cached_prompt_tokens"] for o in outs]
+    if attention[0] != "kernel":  # PyTorch's per-query calls: a key's numbers may depend on its block
+        assert cached == [0] * len(jobs) and batch.reused_prompt_tokens == 0
+    elif max_batch == 1:  # each row after the first takes the previous row's keys of what the two share
+        assert cached[1:] == [len(prompts[0]) + 3] + [len(system)] * 5
+    else:  # the first three join together, before any row has keys; later ones share the system prompt
+        assert cached[3:] == [len(system)] * 4
+
+
 @pytest.mark.slow  # real models
 @needs_bf16
 def test_testbed_batched_rows_equal_batch1_in_bfloat16(attention):
@@ -354,3 +386,5 @@ def test_testbed_batched_rows_equal_batch1_in_bfloat16(attention):
     batch = assert_rows_equal_batch1(pair.target, pair.draft, jobs, max_batch=3)
     assert bool(attention[1]) == (attention[0] == "kernel")
     assert batch.joined_in_step == (len(jobs) if attention[0] == "kernel" else 0)
+    # the five that join later take the keys of the system prompt the arith prompts share from a row in the batch
+    assert (batch.reused_prompt_tokens >= 5 * 20) == (attention[0] == "kernel")

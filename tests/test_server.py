@@ -106,6 +106,8 @@ def test_streaming_chat_with_usage(client):
                                            max_tokens=12, extra_body={"method": "sd", "gamma": 3})
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and chunks[-1].choices == []
+    # prefix caching's count, as OpenAI reports it (0 here: the tiny float32 model is not token-exact, Batch.add)
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
 
 
@@ -216,6 +218,10 @@ def test_full_queue_answers_429_and_metrics_add_up(server, slow_steps):
 
     drafted = sum(json.loads(b)["metrics"]["speculative_decoding"]["num_draft_tokens"] for c, b in results if c == 200)
     assert counter(after, "spec_decode_num_draft_tokens") - counter(before, "spec_decode_num_draft_tokens") == drafted
+    cached = sum(json.loads(b)["usage"]["prompt_tokens_details"]["cached_tokens"] for c, b in results if c == 200)
+    prompt = sum(json.loads(b)["usage"]["prompt_tokens"] for c, b in results if c == 200)
+    assert counter(after, "prefix_cache_hits") - counter(before, "prefix_cache_hits") == cached
+    assert counter(after, "prefix_cache_queries") - counter(before, "prefix_cache_queries") == prompt
 
 
 def test_disconnect_mid_stream_stops_that_row_only(server, slow_steps):

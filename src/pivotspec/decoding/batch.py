@@ -121,7 +121,9 @@ class Batch:
                        for m in self.models}
         self.rows: list[Row] = []
         self.joined_in_step = 0  # rows whose target prompt was computed inside a step (``joins_in_step``)
+        self.reused_prompt_tokens = 0  # target prompt tokens a joining row took from another row's keys
         self._prefilled: tuple[list[int], dict[int, Any]] | None = None  # the last prompt prefilled, per model
+        self._left: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]] = {}  # see ``_keep_left``
 
     def cache_bytes(self) -> int:
         """Bytes the batch's KV caches hold now (every model, allocated capacity included)."""
@@ -138,15 +140,24 @@ class Batch:
         give a row the same numbers in any block, ``packing.exact_row_limit``) and every query attended by the
         compiled kernel, over exactly its keys (bfloat16's float32 attention, blocks up to ``KERNEL_ROWS``).
         Not for a batch made with ``in_step`` False: rollouts, whose rows share one prefix's prefill."""
+        return self.token_exact(m) and len(request.prompt_ids) + request.gamma <= KERNEL_ROWS
+
+    def token_exact(self, m: LM) -> bool:
+        """Whether ``m`` computes each token's keys with the same numbers whatever else a forward computes (see
+        :meth:`joins_in_step`), so that a row may also take the keys of a prefix it shares with another row
+        instead of computing them (:meth:`_shared_prefix`)."""
         return (self.in_step and runs_lean(m.model) and query_attention.enabled()
-                and getattr(m.model.config, "_attn_implementation", None) == FLOAT32_ATTENTION
-                and len(request.prompt_ids) + request.gamma <= KERNEL_ROWS)
+                and getattr(m.model.config, "_attn_implementation", None) == FLOAT32_ATTENTION)
 
     def add(self, request: Request) -> Row:
         """Admit a row. Its prompt (all but the last token) is computed inside the next step where that is
         exact (:meth:`joins_in_step`: the prompt then shares that forward's reading of the weights with the
         other rows, as vLLM's chunked prefill does), else prefilled alone and copied into the batch. Rows whose
-        prompts share everything but the last token (N rollouts from one prefix) share one prefill."""
+        prompts share everything but the last token (N rollouts from one prefix) share one prefill. A prompt
+        computed inside a step first takes the keys of the longest start it shares with a row in the batch or
+        the last row that left (a system prompt, an earlier turn: vLLM's automatic prefix caching), where
+        the model computes every token alike (:meth:`token_exact`); its stats count them as
+        ``cached_prompt_tokens``."""
         self.check(request)
         row = Row(request, self.target)
         prompt = request.prompt_ids
@@ -163,10 +174,17 @@ class Batch:
                 m.cache, m.cached_ids = None, []  # the batch holds the keys now
             self._prefilled = (list(prompt[:-1]), prefills)
         self.joined_in_step += len(prompt) > 1 and not any(self.target is a for a in alone)
+        row.stats["cached_prompt_tokens"] = 0
         for m in self.models:
-            filled = any(m is a for a in alone)
-            self.caches[id(m)].add_row(self._prefilled[1][id(m)] if filled else None, len(prompt) - 1 if filled else 0)
-            row.cached[id(m)] = list(prompt[:-1]) if filled else []
+            if any(m is a for a in alone):
+                source, length = self._prefilled[1][id(m)], len(prompt) - 1
+            else:
+                source, length = self._shared_prefix(m, prompt[:-1])
+                if m is self.target:
+                    self.reused_prompt_tokens += length
+                    row.stats["cached_prompt_tokens"] = length
+            self.caches[id(m)].add_row(source, length)
+            row.cached[id(m)] = list(prompt[:length])
         row.stats["prefill_s"] = time.perf_counter() - start
         row.stats["prefill_forward_s"] = sum(m.forward_s for m in self.models) - forward_before
         self.rows.append(row)
@@ -210,6 +228,7 @@ class Batch:
                 done.append(row)
         self._prefilled = None  # a step boundary: the next row's prefill is its own (it holds memory otherwise)
         if done:
+            self._keep_left(rows.index(done[-1]))
             keep = compacted(len(rows), {b for b, row in enumerate(rows) if row in done})
             for cache in self.caches.values():
                 cache.keep_rows(keep)
@@ -250,6 +269,30 @@ class Batch:
         on_step = row.request.on_step
         if on_step is not None and on_step(row.trace[step_start:]) is False and row.stop is None:
             row.stop = "cancelled"
+
+    def _shared_prefix(self, m: LM, ids: list[int]) -> tuple[Any, int]:
+        """Where ``m``'s keys of the longest start of ``ids`` already are, and its length: a row of the batch
+        (its index) or the last row that left (its kept keys and values); (None, 0) where nothing is shared or
+        the keys would not be the ones ``ids`` computed alone (:meth:`token_exact`)."""
+        if not self.token_exact(m):
+            return None, 0
+        sources = [(b, row.cached[id(m)]) for b, row in enumerate(self.rows)]
+        sources += [self._left[id(m)]] if id(m) in self._left else []
+        best, length = None, 0
+        for source, cached in sources:
+            n = _common_prefix(cached, ids, 0)
+            if n > length:
+                best, length = source, n
+        return best, length
+
+    def _keep_left(self, b: int) -> None:
+        """Keep a copy of the keys of row ``b``, which is leaving, for a later row that starts as it did: the
+        server's requests share a system prompt, and with one row at a time none is in the batch when the next
+        joins. One row's worth of keys per model (its valid positions)."""
+        for m in self.models:
+            if self.token_exact(m):
+                ids = list(self.rows[b].cached[id(m)])
+                self._left[id(m)] = (self.caches[id(m)].row_keys(b, len(ids)), ids)
 
     def _propose(self, gammas: list[int]) -> list[Proposal | None]:
         """Every drafting row's proposal: draft position j of all rows in one forward."""

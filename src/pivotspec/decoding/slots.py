@@ -8,7 +8,8 @@ a sliding-window layer), so a query never sees them: the columns below its own p
 row's valid prefix or this forward's new tokens, which are written before attention reads them.
 
 Rows join by copying a batch-1 prefill into the next free row (so the prompt is computed exactly as batch 1
-computes it), or with nothing cached when their prompt is computed inside a step; a leaving row's place goes
+computes it), or, when their prompt is computed inside a step, with nothing cached or with the keys of a start
+they share with another row (``batch.Batch.add``); a leaving row's place goes
 to the last row (``compacted``). Both happen at step boundaries only. The buffers hold spare rows and columns
 (each doubled when full), so a join or a leave reallocates nothing: on a batch of 8 arith rows, reallocating
 every layer's keys and values at each join was 4% of the time (``cProfile``).
@@ -111,17 +112,29 @@ class SlotCache(DynamicCache):
                 setattr(layer, part, new)
 
     @torch.inference_mode()
-    def add_row(self, prefill: Any, length: int) -> None:
-        """Append a row holding the first ``length`` positions of ``prefill``, a batch-1 HF cache (None when
-        the prompt is one token long or computed inside a step, and nothing was prefilled). Its buffer row
-        may hold a departed row's keys: they lie past ``length``, where no query looks."""
+    def add_row(self, source: Any, length: int) -> None:
+        """Append a row holding the first ``length`` positions of ``source``: a batch-1 HF cache (a prefill),
+        the index of a row of this cache, or a row's keys and values as :meth:`row_keys` kept them (None, with
+        length 0, when nothing is cached yet). Its buffer row may hold a departed row's keys: they lie past
+        ``length``, where no query looks."""
         live, rows = len(self.lengths), self.layers[0].keys.shape[0]
         self._resize(rows if live < rows else max(2 * live, 1), max(length + 1, self.capacity, 64))
         if length:
-            for layer, src in zip(self.layers, prefill.layers, strict=True):
-                layer.keys[live, :, :length] = src.keys[0, :, :length]
-                layer.values[live, :, :length] = src.values[0, :, :length]
+            for i, layer in enumerate(self.layers):
+                if isinstance(source, int):
+                    keys, values = layer.keys[source], layer.values[source]
+                elif isinstance(source, list):
+                    keys, values = source[i]
+                else:
+                    keys, values = source.layers[i].keys[0], source.layers[i].values[0]
+                layer.keys[live, :, :length] = keys[:, :length]
+                layer.values[live, :, :length] = values[:, :length]
         self.lengths.append(length)
+
+    @torch.inference_mode()
+    def row_keys(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row ``row``'s keys and values at its first ``length`` positions, per layer."""
+        return [(layer.keys[row, :, :length].clone(), layer.values[row, :, :length].clone()) for layer in self.layers]
 
     @torch.inference_mode()
     def keep_rows(self, keep: list[int]) -> None:

@@ -278,10 +278,15 @@ def create_app(pair: api.Pair, settings: Settings) -> FastAPI:
     return app
 
 
-def usage(stats: dict[str, Any]) -> dict[str, int]:
+def usage(stats: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose keys the batch
+    already held (prefix caching, ``Batch.add``), as OpenAI and vLLM report them."""
     prompt = stats.get("prompt_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": stats["new_tokens"],
-            "total_tokens": prompt + stats["new_tokens"]}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": stats["new_tokens"],
+                           "total_tokens": prompt + stats["new_tokens"]}
+    if "cached_prompt_tokens" in stats:
+        out["prompt_tokens_details"] = {"cached_tokens": stats["cached_prompt_tokens"]}
+    return out
 
 
 async def stream(server: Server, tokenizer: Any, args: dict, rid: str, created: int, chat: bool,

@@ -10,6 +10,7 @@
 | pivotspec:request_latency_seconds | request wall time, histogram | vllm:e2e_request_latency_seconds |
 | pivotspec:time_to_first_token_seconds | arrival to first token, histogram | vllm:time_to_first_token_seconds |
 | pivotspec:num_requests_waiting / _running | queued / in the batch | vllm:num_requests_waiting / _running |
+| pivotspec:prefix_cache_queries / _hits | prompt tokens / of them already held | vllm:prefix_cache_queries / _hits |
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ COUNTERS = {
     "pad_overrides": "Draft tokens SD rejected that PAD or a relaxed rule kept.",
     "generation_tokens": "Tokens generated.",
     "prompt_tokens": "Prompt tokens processed.",
+    "prefix_cache_queries": "Prompt tokens looked up in the batch's keys (prefix caching).",
+    "prefix_cache_hits": "Prompt tokens whose keys the batch already held, so they were not computed again.",
     "request_success": "Requests finished.",
     "request_failure": "Requests that ended in an error.",
 }
@@ -57,6 +60,8 @@ class Metrics:
             self.counters["pad_overrides"] += spec["pad_overrides"]
             self.counters["generation_tokens"] += stats["new_tokens"]
             self.counters["prompt_tokens"] += stats.get("prompt_tokens", 0)
+            self.counters["prefix_cache_queries"] += stats.get("prompt_tokens", 0)
+            self.counters["prefix_cache_hits"] += stats.get("cached_prompt_tokens", 0)
 
     def set_queue(self, waiting: int, running: int) -> None:
         """Requests queued for a free row, and rows decoding (vLLM's num_requests_waiting / _running)."""
