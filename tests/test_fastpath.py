@@ -356,6 +356,9 @@ def test_rows_take_a_shared_prefix_and_still_equal_batch1(tiny_dir, attention, m
     assert [o.token_ids for o in outs] == [ref.token_ids for ref in Batch(target, draft).decode([r for _, r in jobs],
                                                                                                   max_batch)]
     cached = [o.stats["cached_prompt_tokens"] for o in outs]
+    plain = Batch(target, draft, prefix_caching=False).decode([r for _, r in jobs], max_batch)  # to compare
+    assert [o.token_ids for o in plain] == [o.token_ids for o in outs]
+    assert [o.stats["cached_prompt_tokens"] for o in plain] == [0] * len(jobs)
     if attention[0] != "kernel":  # PyTorch's per-query calls: a key's numbers may depend on its block
         assert cached == [0] * len(jobs) and batch.reused_prompt_tokens == 0
     elif max_batch == 1:  # each row after the first takes the previous row's keys of what the two share

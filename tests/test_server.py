@@ -316,3 +316,16 @@ def test_playground_streams_coloured_tokens_in_a_real_browser(server):
             browser.close()
     assert len(sources) == 24 and set(sources) <= {"accepted", "override", "corrected", "bonus"}
     assert "override" in sources  # const:0.3 <= the default sigma 0.5: PAD's overrides are coloured as such
+
+
+def test_no_prefix_caching_reaches_the_batch(server):
+    from pivotspec import api
+    from pivotspec.cli.main import build_parser
+    from pivotspec.server.scheduler import Scheduler
+
+    args = build_parser().parse_args(["serve", "--pair", "testbed", "--no-prefix-caching"])
+    assert args.prefix_caching is False
+    assert build_parser().parse_args(["serve", "--pair", "testbed"]).prefix_caching is True
+    request = api.make_request(server["pair"], prompt="w1 w2", method="sd", max_new_tokens=2)
+    for on in (True, False):
+        assert Scheduler(server["pair"], 2, prefix_caching=on)._lane(request).prefix_caching is on

@@ -90,12 +90,14 @@ def generate(pair: Pair, prompt: str | None = None, **settings: Any) -> Generati
                   seed=r.seed, on_step=r.on_step)
 
 
-def new_batch(pair: Pair, draft_only: bool = False) -> Batch:
+def new_batch(pair: Pair, draft_only: bool = False, prefix_caching: bool = True) -> Batch:
     """An empty batch over the pair (over the draft alone with ``draft_only``, for method ``draft``): rows from
-    ``make_request`` join with ``add`` and advance together with ``step`` (see ``pivotspec.decoding.batch``)."""
+    ``make_request`` join with ``add`` and advance together with ``step`` (see ``pivotspec.decoding.batch``).
+    ``prefix_caching``: a joining row may take the keys of a start it shares with another (``Batch.add``)."""
     if draft_only and pair.draft is None:
         raise UsageError("method 'draft' needs a draft model: load the pair with a draft")
-    return Batch(pair.draft, None) if draft_only else Batch(pair.target, pair.draft)
+    return (Batch(pair.draft, None, prefix_caching=prefix_caching) if draft_only
+            else Batch(pair.target, pair.draft, prefix_caching=prefix_caching))
 
 
 def generate_many(pair: Pair, prompts: list[Any], *, batch_size: int = 8, **settings: Any) -> list[Generation]:

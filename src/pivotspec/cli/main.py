@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
     srv.add_argument("--max-batch", type=int, default=8, help="requests decoding together (continuous batching); "
                      "1 decodes one at a time")
+    srv.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                     help="compute every prompt whole, even where a start of it is already in the batch's cache "
+                          "(prefix caching is on by default where it keeps outputs bit for bit; to compare)")
     srv.add_argument("--max-queue", type=int, default=16, help="requests waiting for a free batch row before 429")
     srv.add_argument("--max-model-len", type=int, default=None, help="prompt + max_tokens above this is refused "
                      "with 400 (default: the target's positions)")
@@ -262,7 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     pair = load_pair(args, needs_draft=args.method != "ar")
     settings = Settings(model=args.model_name or pair.target.name, method=args.method, classifier=args.classifier,
                         sigma=args.sigma, gamma=args.gamma, max_queue=args.max_queue, api_key=args.api_key,
-                        max_tokens=args.max_tokens, max_batch=args.max_batch, max_model_len=args.max_model_len)
+                        max_tokens=args.max_tokens, max_batch=args.max_batch, max_model_len=args.max_model_len,
+                        prefix_caching=args.prefix_caching)
     print(f"pivotspec: serving {settings.model!r} ({settings.method}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     serve(pair, settings, args.host, args.port)

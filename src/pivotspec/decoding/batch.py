@@ -114,8 +114,8 @@ def _common_prefix(cached: list[int], seq: list[int], keep: int) -> int:
 class Batch:
     """Rows decoding together over one target (and optionally one draft); see the module doc."""
 
-    def __init__(self, target: LM, draft: LM | None = None, in_step: bool = True):
-        self.target, self.draft, self.in_step = target, draft, in_step
+    def __init__(self, target: LM, draft: LM | None = None, in_step: bool = True, prefix_caching: bool = True):
+        self.target, self.draft, self.in_step, self.prefix_caching = target, draft, in_step, prefix_caching
         self.models = [m for m in (target, draft) if m is not None]
         self.caches = {id(m): SlotCache(m.model.config, next(m.model.parameters()).dtype, m.device)
                        for m in self.models}
@@ -273,8 +273,9 @@ class Batch:
     def _shared_prefix(self, m: LM, ids: list[int]) -> tuple[Any, int]:
         """Where ``m``'s keys of the longest start of ``ids`` already are, and its length: a row of the batch
         (its index) or the last row that left (its kept keys and values); (None, 0) where nothing is shared or
-        the keys would not be the ones ``ids`` computed alone (:meth:`token_exact`)."""
-        if not self.token_exact(m):
+        the keys would not be the ones ``ids`` computed alone (:meth:`token_exact`), or the batch was made with
+        ``prefix_caching`` False."""
+        if not (self.prefix_caching and self.token_exact(m)):
             return None, 0
         sources = [(b, row.cached[id(m)]) for b, row in enumerate(self.rows)]
         sources += [self._left[id(m)]] if id(m) in self._left else []
@@ -290,7 +291,7 @@ class Batch:
         server's requests share a system prompt, and with one row at a time none is in the batch when the next
         joins. One row's worth of keys per model (its valid positions)."""
         for m in self.models:
-            if self.token_exact(m):
+            if self.prefix_caching and self.token_exact(m):
                 ids = list(self.rows[b].cached[id(m)])
                 self._left[id(m)] = (self.caches[id(m)].row_keys(b, len(ids)), ids)
 
@@ -390,7 +391,8 @@ class Batch:
 
 
 def decode_many(target: LM, requests: list[Request], *, draft: LM | None = None, max_batch: int = 8,
-                in_step: bool = True) -> list[Generation]:
+                in_step: bool = True, prefix_caching: bool = True) -> list[Generation]:
     """Decode ``requests`` with at most ``max_batch`` rows at a time; a finished row's place goes to the next
-    request at once. Returns the generations in the requests' order. ``in_step``: see ``Batch.joins_in_step``."""
-    return Batch(target, draft, in_step).decode(requests, max_batch)
+    request at once. Returns the generations in the requests' order. ``in_step``: see ``Batch.joins_in_step``;
+    ``prefix_caching``: see ``Batch.add``."""
+    return Batch(target, draft, in_step, prefix_caching).decode(requests, max_batch)

@@ -53,6 +53,7 @@ class Settings:
     max_tokens: int = 256
     max_batch: int = 8
     max_model_len: int | None = None  # prompt + max_tokens above it is refused (400); None: the target's positions
+    prefix_caching: bool = True  # a joining request may take the keys of a start it shares (``Batch.add``)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -73,7 +74,7 @@ class Server:
         self.lock = threading.Lock()
         self.policies: dict[tuple, Any] = {}
         self.max_model_len = settings.max_model_len or pair.target.max_positions or 4096
-        self.scheduler = Scheduler(pair, settings.max_batch, self.metrics.set_queue)
+        self.scheduler = Scheduler(pair, settings.max_batch, self.metrics.set_queue, settings.prefix_caching)
 
     def policy(self, method: str, sigma: float | None) -> Any:
         """The acceptance policy for a request's ``method`` (ar, draft, sd, pad or a baseline spec), built once."""

@@ -28,8 +28,10 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, pair: api.Pair, max_batch: int, on_change: Callable[[int, int], None] | None = None):
+    def __init__(self, pair: api.Pair, max_batch: int, on_change: Callable[[int, int], None] | None = None,
+                 prefix_caching: bool = True):
         self.pair, self.max_batch, self.on_change = pair, max_batch, on_change
+        self.prefix_caching = prefix_caching
         self.lanes: dict[bool, Any] = {}  # draft_only -> batch
         self.jobs: dict[int, Job] = {}  # id(request) -> job, for rows in a batch
         self.waiting: deque[Job] = deque()
@@ -58,7 +60,7 @@ class Scheduler:
     def _lane(self, request: Any) -> Any:
         draft_only = request.method == "draft"
         if draft_only not in self.lanes:
-            self.lanes[draft_only] = api.new_batch(self.pair, draft_only)
+            self.lanes[draft_only] = api.new_batch(self.pair, draft_only, self.prefix_caching)
         return self.lanes[draft_only]
 
     def _admit(self) -> None:
