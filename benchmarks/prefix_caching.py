@@ -3,9 +3,9 @@
     python benchmarks/prefix_caching.py --pair testbed --n 32 --batch-sizes 1,8 --repeats 3
 
 Decodes the same arith test problems (chat prompts that share their system prompt) with PAD, greedy, through
-``Batch.decode`` at each batch size, with ``prefix_caching`` on and off, interleaved over ``--repeats``
-(medians). Reports tokens/s, the share of prompt tokens taken from held keys, and whether every output
-equals the run without prefix caching. Where the pair's models do not compute each token alike
+a batch (``api.new_batch(...).decode``) at each batch size, with ``prefix_caching`` on and off, interleaved
+over ``--repeats`` (medians). Reports tokens/s, the share of prompt tokens taken from held keys, and whether
+every output equals the run without prefix caching. Where the pair's models do not compute each token alike
 (``Batch.token_exact``: float32 on a CPU, or PyTorch's per-query attention) nothing is taken and the two
 runs are the same. Prints a table and writes benchmarks/results/prefix_caching.json.
 """
@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-from pivotspec.decoding.fastpath import capabilities
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,7 +33,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_caching.json"))
     args = ap.parse_args()
     from pivotspec import api
-    from pivotspec.decoding.batch import Batch
 
     pair = api.load_pair(pair=args.pair, threads=args.threads, dtype=args.dtype)
     problems = api.get_task(api.pair_task(args.pair)).problems("test", args.n, seed=0)
@@ -44,21 +41,21 @@ def main() -> None:
         return [api.make_request(pair, messages=p.messages, method="pad", max_new_tokens=args.max_new_tokens)
                 for p in problems]
 
-    Batch(pair.target, pair.draft).decode(requests()[:2], 2)  # warm-up
+    api.new_batch(pair).decode(requests()[:2], 2)  # warm-up
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs: dict[tuple[int, bool], list[dict]] = {(b, on): [] for b in sizes for on in (True, False)}
     for _ in range(args.repeats):
         for b in sizes:
             for on in (True, False):
                 start = time.perf_counter()
-                gens = Batch(pair.target, pair.draft, prefix_caching=on).decode(requests(), b)
+                gens = api.new_batch(pair, prefix_caching=on).decode(requests(), b)
                 wall = time.perf_counter() - start
                 runs[(b, on)].append({"wall_s": wall, "tokens": sum(len(g.token_ids) for g in gens),
                                       "prompt_tokens": sum(g.stats["prompt_tokens"] for g in gens),
                                       "cached_tokens": sum(g.stats["cached_prompt_tokens"] for g in gens),
                                       "outputs": [g.token_ids for g in gens]})
     rows = []
-    print(f"{args.pair} pair, {capabilities()['cpu']}, {args.n} test problems, PAD greedy, target "
+    print(f"{args.pair} pair, {api.cpu_capabilities()['cpu']}, {args.n} test problems, PAD greedy, target "
           f"{pair.target.model.dtype}; medians of {args.repeats} interleaved repeats")
     print("| batch | prefix caching | tokens/s | prompt tokens taken | on vs off | outputs equal to off |")
     print("|---|---|---|---|---|---|")
@@ -76,7 +73,7 @@ def main() -> None:
             print(f"| {b} | {'on' if on else 'off'} | {rate:.1f} | {taken:.1%} | {rate / off:.2f}x | "
                   f"{same}/{len(rs) * args.n} |")
     meta = {"pair": args.pair, "n": args.n, "repeats": args.repeats, "threads": args.threads,
-            "target_dtype": str(pair.target.model.dtype), "machine": capabilities(), "torch": torch.__version__}
+            "target_dtype": str(pair.target.model.dtype), "machine": api.cpu_capabilities(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-from pivotspec.decoding.fastpath import capabilities
-
 
 def forward_ms(model: torch.nn.Module, rows: int, width: int, context: int = 64) -> float:
     """One forward of ``rows`` x ``width`` new tokens over ``rows`` caches of ``context`` tokens, in ms."""
@@ -77,7 +75,7 @@ def main() -> None:
         step = ms[("target", b)] + args.gamma * ms[("draft", b)]
         rows.append({"batch": b, "target_ms": ms[("target", b)], "draft_ms": ms[("draft", b)], "step_ms": step,
                      "step_vs_first": step / step1, "ceiling": b * step1 / step / sizes[0]})
-    print(f"{args.pair} pair, {capabilities()['cpu']}, {args.threads} threads, gamma "
+    print(f"{args.pair} pair, {api.cpu_capabilities()['cpu']}, {args.threads} threads, gamma "
           f"{args.gamma}; target {pair.target.model.dtype}, draft {pair.draft.model.dtype}; medians of "
           f"{args.repeats} interleaved repeats")
     print(f"| rows | target forward, rows x {args.gamma + 1} tokens | draft forward, rows x 1 token | "
@@ -90,7 +88,7 @@ def main() -> None:
     meta = {"pair": args.pair, "prompt_tokens": prompt, "prefill_ms": ms[("prefill", 1)], "gamma": args.gamma,
             "threads": args.threads, "repeats": args.repeats,
             "target_dtype": str(pair.target.model.dtype), "draft_dtype": str(pair.draft.model.dtype),
-            "machine": capabilities(), "torch": torch.__version__}
+            "machine": api.cpu_capabilities(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows,
                                     "times_ms": {f"{k[0]} x{k[1]}": v for k, v in times.items()}}, indent=1))

@@ -128,6 +128,8 @@ COMPONENT_STUDIES = {
     "classifier_cv.py": ("the classifier's training internals: out-of-fold AUROC per layer and type",
                          {"pivotspec.classifier", "pivotspec.cli.classifier", "pivotspec.decoding.models",
                           "pivotspec.evaluation.reports"}),
+    "row_scaling.py": ("one forward of each model as rows are added: what a batched step costs against one row's",
+                       {"pivotspec.decoding.forward", "pivotspec.decoding.kvcache"}),
     "round_reports.py": ("the classifier's training splits: rounds' classifiers scored on round 0's held-out problems",
                          {"pivotspec.classifier"}),
 }

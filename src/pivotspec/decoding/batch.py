@@ -10,8 +10,9 @@ vLLM's rejection sampler, and a row's random numbers come from its own generator
 Rows of any acceptance policy (lossless SD, PAD at any sigma, a baseline) and target-only rows (``speculate``
 False) share a batch: the policy is per row. Rows join between steps (``Batch.add``: the prompt is
 computed inside the next step's forward where that gives batch 1's numbers bit for bit, else prefilled alone,
-exactly as batch 1 does it, and copied into the batch's cache, ``slots.SlotCache``) and leave as soon as they
-finish (continuous batching). Timings in a row's stats are the batch's: each step's
+exactly as batch 1 does it, and copied into the batch's cache, ``slots.SlotCache``; a prompt computed inside a
+step starts from the keys of any start it shares with a row in the batch or the last row that left: prefix
+caching) and leave as soon as they finish (continuous batching). Timings in a row's stats are the batch's: each step's
 wall time counts for every row in it.
 """
 
