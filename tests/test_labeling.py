@@ -162,6 +162,33 @@ def test_resume_refuses_a_different_configuration(pair, tmp_path):
     assert cands and all(r["label"] == is_pivot(r["u_acc"], r["u_rej"], "mul", 0.9) for r in cands)
 
 
+def test_label_resumes_in_the_dtype_its_file_was_made_in(tmp_path, monkeypatch, capsys):
+    """Auto may pick bfloat16 on one CPU and float32 on another; a resumed run takes the file's dtype (a
+    resume in another dtype would be refused), and --dtype or --overwrite still decide."""
+    import gzip
+
+    out = tmp_path / "l.jsonl"
+    assert api.labels_dtype(out) is None
+    record = {"type": "candidate", "target": {"name": "t", "dtype": "float32"}}
+    out.with_name("l.jsonl.gz").write_bytes(gzip.compress((json.dumps(record) + "\n").encode()))
+    assert api.labels_dtype(out) == "float32"  # read from the compressed copy
+    out.write_text(json.dumps({**record, "target": {"name": "t"}}) + "\n")
+    assert api.labels_dtype(out) == "float32"  # files from before the dtype was recorded were float32
+    out.write_text(json.dumps({**record, "target": {"name": "t", "dtype": "bfloat16"}}) + "\n")
+    seen = []
+
+    def load_pair(args, needs_draft):
+        seen.append(args.dtype)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("pivotspec.cli.labels.load_pair", load_pair)
+    for extra in ([], ["--dtype", "float32"], ["--overwrite"]):
+        with pytest.raises(SystemExit):
+            main(["label", "--pair", "testbed", "--out", str(out), *extra])
+    assert seen == ["bfloat16", "float32", None]
+    assert "in bfloat16, the dtype it was made in" in capsys.readouterr().err
+
+
 def test_truncated_file_repair_and_malformed_middle_line(tmp_path):
     f = tmp_path / "x.jsonl"
     f.write_text('{"a": 1}\n{"a": 2}\n{"a": 3')

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from pivotspec.evaluation import runs
 from pivotspec.labels import cluster, files
 from pivotspec.labels.rollouts import ROLLOUT_GAMMA
 from pivotspec.labels.walk import LabelConfig, run_labeling
-from pivotspec.store import compressed, exists, read_records
+from pivotspec.store import compressed, exists, open_bytes, read_records
 
 
 def label_config(**fields: Any) -> LabelConfig:
@@ -89,6 +90,21 @@ def label(pair: Pair, out: str | Path, *, task: str = "arith", split: str = "tra
     return run_labeling(pair.target, pair.draft, t, problems, cfg, Path(out), overwrite=overwrite, judge=judge_lm,
                         split=split, chat_template_kwargs=chat_template_kwargs, concurrency=concurrency,
                         policy=policy)
+
+
+def labels_dtype(path: str | Path) -> str | None:
+    """The dtype a labels file's target computed in (None: no file yet, or not a labels file). A resumed run
+    must compute in it, or its rollouts would not be the ones the file holds (``walk.identity_diff``), so
+    ``pivotspec label`` takes it when ``--dtype`` is not given: auto may choose another dtype on another CPU."""
+    if not exists(Path(path)):
+        return None
+    with open_bytes(Path(path)) as fh:
+        first = fh.readline()
+    try:
+        target = json.loads(first).get("target")
+    except (ValueError, AttributeError):
+        return None
+    return target.get("dtype", "float32") if isinstance(target, dict) else None
 
 
 def _label_shard(pair_args: dict[str, Any], out: str, shard: tuple[int, int], label_args: dict[str, Any]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,11 @@ def cmd_label(args: argparse.Namespace) -> None:
                   min_target_rate=args.min_target_rate, max_walk_tokens=args.max_walk_tokens, seed=args.seed,
                   engine=args.engine, rollout_policy=args.rollout_policy, policy_classifier=args.policy_classifier,
                   policy_sigma=args.policy_sigma)
+    made_in = None if args.overwrite or args.dtype else api.labels_dtype(args.out)
+    if made_in:  # auto could pick another dtype here than where the file was made, and the resume would refuse
+        args.dtype = made_in
+        print(f"pivotspec: resuming {args.out} in {made_in}, the dtype it was made in (--dtype overrides)",
+              file=sys.stderr)
     run = dict(task=task_name(args), split=args.split, n_problems=args.n_problems, overwrite=args.overwrite,
                judge=args.judge, chat_template_kwargs=args.chat_template_kwargs, concurrency=args.concurrency,
                **config)
