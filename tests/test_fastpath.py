@@ -84,8 +84,8 @@ def test_lone_row_widths_found_exact_are_exact_and_a_parting_width_is_refused(dt
             assert torch.equal(torch.cat([model(x[i:i + 1]) for i in range(6)]), together)
     real = packing.packed_linear
 
-    def parting(flat, packed, bias, lone_rows=2):  # a kernel that sums a lone row of width 1 otherwise
-        out = real(flat, packed, bias, lone_rows)
+    def parting(flat, packed, bias, lone_rows=2, scales=None):  # a kernel that sums a lone row of width 1 otherwise
+        out = real(flat, packed, bias, lone_rows, scales)
         return out + torch.ones_like(out) * (flat.shape[0] == 1 and lone_rows == 1)
 
     monkeypatch.setattr(packing, "packed_linear", parting)
@@ -126,9 +126,9 @@ def test_rows_past_the_exact_limit_go_in_chunks_and_the_limit_is_where_blocks_pa
     real = packing.packed_linear
     sizes = []
 
-    def parting(flat, packed, bias, lone_rows=2):
+    def parting(flat, packed, bias, lone_rows=2, scales=None):
         sizes.append(flat.shape[0])
-        out = real(flat, packed, bias, lone_rows)
+        out = real(flat, packed, bias, lone_rows, scales)
         return out + torch.ones_like(out) * (flat.shape[0] >= 50)
 
     monkeypatch.setattr(packing, "packed_linear", parting)
@@ -228,11 +228,11 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert chosen.count({"dtype": "float32", "packed": True, "lone_rows": 2}) == 2
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [*DTYPES, "int8"])
 def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype, attention):
     target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
     draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
-    assert str(target.model.dtype) == f"torch.{dtype}"
+    assert target.weights_dtype == draft.weights_dtype == dtype
     pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     for ids in ([3, 4, 5], [7, 2, 9, 11, 4, 6], [20]):
         ar = decode("ar", target, None, ids, max_new_tokens=24, eos_ids=set())
@@ -241,6 +241,9 @@ def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtyp
         assert sd.token_ids == ar.token_ids == pd.token_ids
     name, calls = attention
     assert bool(calls) == (dtype == "bfloat16" and name == "kernel")  # float32 models attend with SDPA whole
+    if dtype == "int8":  # int8 weights, not float32's rounded: what it computes is its own
+        assert packing.is_packed(target.model) and all(k.scales is not None for k in packing.packed_kernels(
+            target.model))
 
 
 def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, monkeypatch):
@@ -265,6 +268,47 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     assert identity_diff({"target": {**b, "dtype": "float32"}}, {"target": {**b, "dtype": "bfloat16"}}) == [
         "target dtype (float32 there, bfloat16 here: --dtype float32 matches it)"]
     assert identity_diff({"target": a}, {"target": {**a, "weights": "other"}}) == ["target"]
+
+
+def int8_linear(in_features: int, out_features: int, bias: bool = False) -> tuple[nn.Linear, PackedLinear]:
+    torch.manual_seed(2)
+    lin = nn.Linear(in_features, out_features, bias=bias)
+    return lin, PackedLinear(lin, int8=True)
+
+
+def test_int8_linear_computes_the_plain_linear_within_its_rounding():
+    lin, packed = int8_linear(64, 96, bias=True)
+    assert packed.scales is not None and packed.packed.dtype == torch.int8 and packed.weight is lin.weight
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        ref, got = lin(x), packed(x)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    # weights rounded to 1/254 of each row's largest, inputs to bfloat16's 8 bits: about 1% of the largest output
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert 1e-5 < err < 3e-2  # not float32's numbers (it is quantized), and close to them
+
+
+def test_int8_rows_are_computed_each_alone_at_any_block_size():
+    """What keeps greedy SD equal to ar and batched rows equal to rows alone in int8: every row gets the same
+    bits at any block size, and the fast path measures it (a lone row needs no padding, no row limit)."""
+    _, packed = int8_linear(576, 1536)
+    x = torch.randn(40, 576)
+    with torch.inference_mode():
+        alone = torch.cat([packed.product(x[i:i + 1]) for i in range(40)])
+        for m in (2, 4, 5, 6, 17, 40):
+            assert torch.equal(packed.product(x[:m]), alone[:m])
+    model = nn.Sequential(nn.Linear(64, 32))
+    pack_linears(model, int8=True)
+    assert packing.exact_lone_widths(model) == [1, 2, 4] and packing.exact_row_limit(model, top=64) == 64
+
+
+def test_int8_refuses_input_widths_its_kernel_gets_wrong():
+    from pivotspec.errors import UsageError
+
+    model = nn.Sequential(nn.Linear(64, 12), nn.Linear(12, 8))
+    with pytest.raises(UsageError, match="multiples of 8 .*has 12.*--dtype bfloat16 or float32"):
+        pack_linears(model, int8=True)
+    assert type(model[0]) is nn.Linear  # refused before any layer was replaced
 
 
 def test_sliding_windows_are_told_apart():
@@ -310,18 +354,19 @@ def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
     assert key_counts(prefix.float(), 2, 2, 6) is None
 
 
-@needs_bf16
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_batched_rows_equal_batch1_in_bfloat16(tiny_dir, gamma, attention):
-    """The batched path through the per-query attention on tiny models, rows leaving and joining. Their
+def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attention, dtype):
+    """The batched path through the per-query attention on tiny models (bfloat16), and through the int8 rows,
+    rows leaving and joining. Their
     distributions are too peaked for a bfloat16 step to change a token (this passes without the per-query
     attention too); the testbed test below is the one that parts without it."""
     from pivotspec.decoding.batch import Request
     from tests.test_batch import assert_rows_equal_batch1
     from tests.test_decoding import prompts
 
-    target = load_lm(str(tiny_dir["llama_target"]), dtype="bfloat16")
-    draft = load_lm(str(tiny_dir["llama_draft"]), dtype="bfloat16")
+    target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
+    draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
     pad0 = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     jobs = []
     for i, ids in enumerate(prompts(9, seed=3)):
@@ -329,7 +374,7 @@ def test_batched_rows_equal_batch1_in_bfloat16(tiny_dir, gamma, attention):
         jobs.append((method, Request(ids, policy=policy, gamma=gamma, max_new_tokens=6 + 3 * i,
                                      speculate=method != "ar")))
     assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
-    assert bool(attention[1]) == (attention[0] == "kernel")
+    assert bool(attention[1]) == (attention[0] == "kernel" and dtype == "bfloat16")  # int8 attends in float32
 
 
 @needs_bf16

@@ -120,7 +120,7 @@ def add_parsers(sub: Any) -> None:
     ev.add_argument("--labels", type=Path, required=True)
     ev.add_argument("--target", help="default: the target the classifier was trained for")
     ev.add_argument("--draft", help="needed for 'extended' classifiers")
-    ev.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default: as for decoding: "
+    ev.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16 or int8 (default: as for decoding: "
                     "bfloat16 on CUDA, auto on a CPU)")
     ev.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     ev.add_argument("--out", type=Path, help="where to write roc.png and pr.png (default: LABELS.eval-CLASSIFIER "

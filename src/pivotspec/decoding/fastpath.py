@@ -50,6 +50,13 @@ from pivotspec.decoding.packing import (
 from pivotspec.errors import UsageError
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weight-only int8 (``packing.quantize``), opt-in only: its weights are not the checkpoint's, so its tokens and
+# accuracy are its own (README, "CPU forwards"). Everything else stays float32 (the linears' inputs are rounded
+# to bfloat16 for the kernel): on a 2-core AVX2 AMD EPYC the testbed target's 1-token forward took 23 ms so,
+# against 37 ms with every activation in bfloat16, which that CPU computes without bfloat16 instructions; and
+# float32 attention keeps float32's exactness (greedy SD equal to ar) without the bfloat16 path's measures.
+INT8 = "int8"
+DTYPES = (*FLOAT_DTYPES, INT8)
 CACHE_FILE = "fastpath.json"
 # Auto leaves float32 only for a path that saves at least this share of the forward time: another dtype gives
 # other tokens than the README's float32 tables, and smaller savings did not show end to end (an Intel Xeon
@@ -105,7 +112,9 @@ def candidates(caps: dict[str, Any], dtype: str | None = None, sliding: bool = F
     CPU has bfloat16 instructions and the model no sliding window (where the packed bfloat16 path keeps the
     exactness promises within its dtype; its accuracy and the shipped classifiers' AUROC were checked against
     float32, README). An asked-for dtype gets its own kernels, packed where oneDNN has them for it (bfloat16
-    natively only with AVX512-BF16/AMX)."""
+    natively only with AVX512-BF16/AMX); ``int8`` only its packed path, which any CPU runs."""
+    if dtype == INT8:
+        return [CpuPath(INT8, True)]
     if dtype is None:
         extra = [CpuPath("bfloat16", True)] if native_bf16(caps) and not sliding else []
         return [CpuPath("float32", False), CpuPath("float32", True), *extra]
@@ -154,14 +163,19 @@ def time_forwards(model: nn.Module, reps: int = 7, context: int = 64) -> dict[st
     return out
 
 
+def activation_dtype(dtype: str) -> torch.dtype:
+    """What a path's activations (and unquantized weights: norms, embeddings) are held in."""
+    return torch.float32 if dtype == INT8 else FLOAT_DTYPES[dtype]
+
+
 def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked, giving a plain Llama the lean
     forward over them, packed or not (``forward.make_lean``)."""
-    model.to(FLOAT_DTYPES[path.dtype])
-    if path.dtype != "float32":
+    model.to(activation_dtype(path.dtype))
+    if activation_dtype(path.dtype) != torch.float32:
         attention_in_float32(model)
     if path.packed:
-        pack_linears(model)
+        pack_linears(model, int8=path.dtype == INT8)
         set_lone_rows(model, path.lone_rows)
         set_max_rows(model, path.max_rows)
     make_lean(model)
@@ -215,8 +229,8 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
         raise UsageError(f"PIVOTSPEC_CPU_KERNELS={kernels!r}: use auto, plain or packed")
     if kernels != "auto":  # pinned (to compare paths, or to rule the packed kernels out)
         paths = [p for p in paths if p.packed == (kernels == "packed")] or paths[:1]
-    if len(paths) == 1:
-        return paths[0]
+    if len(paths) == 1 and paths[0].dtype != INT8:
+        return paths[0]  # int8's one path is still measured: its exact lone-row widths and row limit
     rule = f"|other dtypes save {OTHER_DTYPE_SAVING}" if len({p.dtype for p in paths}) > 1 else ""
     # "lean": packed paths run the lean Llama forward (``forward``), so verdicts timed before it are timed again
     # "row limit": verdicts before the row limit was measured (``packing.exact_row_limit``) are measured again

@@ -24,6 +24,7 @@ import torch
 
 from pivotspec.decoding.forward import cache_keyword, model_forward
 from pivotspec.decoding.machine import cache_dir
+from pivotspec.decoding.packing import weights_dtype
 from pivotspec.decoding.sampling import argmax
 from pivotspec.errors import UsageError
 from pivotspec.store import content_digest
@@ -202,6 +203,11 @@ class LM:
         return self._fingerprint
 
     @property
+    def weights_dtype(self) -> str:
+        """The dtype the model computes in, as files record it (``int8`` for weight-only int8 linears)."""
+        return weights_dtype(self.model)
+
+    @property
     def num_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
 
@@ -303,19 +309,22 @@ def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None,
     """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (on a CPU,
     the fastest of float32 with plain or packed linears and, where the CPU has bfloat16 instructions and the
     model no sliding window, packed bfloat16, measured once per machine and model, see ``fastpath``; bfloat16
-    on CUDA; float32 on MPS), ``float32``, ``bfloat16`` or ``float16``; None reads
+    on CUDA; float32 on MPS), ``float32``, ``bfloat16``, ``float16`` or ``int8`` (CPU only: weight-only int8
+    linears, bfloat16 activations, opt-in, never chosen by auto); None reads
     ``$PIVOTSPEC_DTYPE``, else auto. Errors are one-line UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pivotspec.decoding.fastpath import CACHE_FILE, FLOAT_DTYPES, choose, convert
+    from pivotspec.decoding.fastpath import CACHE_FILE, DTYPES, FLOAT_DTYPES, INT8, choose, convert
 
     quiet_transformers()
     if num_threads:
         torch.set_num_threads(num_threads)
     dev = resolve_device(device)
     dtype = dtype or os.environ.get("PIVOTSPEC_DTYPE") or "auto"
-    if dtype != "auto" and dtype not in FLOAT_DTYPES:
-        raise UsageError(f"unknown dtype {dtype!r}: choose auto, float32, bfloat16 or float16")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}: choose auto, float32, bfloat16, float16 or int8")
+    if dtype == INT8 and dev.type != "cpu":
+        raise UsageError(f"--dtype int8 is a CPU path (weight-only int8 linears): use bfloat16 on {dev.type}")
     # On a CPU the model loads in float32 and ``fastpath`` casts and packs it; elsewhere it loads as asked.
     load_dtype = "float32" if dev.type == "cpu" else dtype
     if load_dtype == "auto":

@@ -15,14 +15,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pivotspec.errors import UsageError
+
 LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which are exact and fastest is measured
 LONE_ROWS = 2  # the width before it is measured (and where none is exact): what every earlier number used
 ROW_LIMIT = 256  # the most rows one call may take (more go in chunks); how many are exact is measured below it
 MAX_ROWS = 128  # the limit before it is measured
 
 
+def weight_product(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``flat @ W.T + bias`` with ``W`` held as oneDNN-packed weights, or, with ``scales``, as int8 weights
+    with a scale per output row (:func:`quantize`), whose kernel multiplies bfloat16 rows: ``flat`` is rounded
+    to bfloat16 for it and the product comes back in ``flat``'s dtype."""
+    if scales is None:
+        return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    out = torch.ops.aten._weight_int8pack_mm(flat.to(scales.dtype), packed, scales).to(flat.dtype)
+    return out if bias is None else out + bias
+
+
 def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  lone_rows: int = LONE_ROWS) -> torch.Tensor:
+                  lone_rows: int = LONE_ROWS, scales: torch.Tensor | None = None) -> torch.Tensor:
     """``flat @ W.T + bias`` on oneDNN-packed weights. A lone row is computed as ``lone_rows`` rows (the rest
     zeros): oneDNN may sum one row differently from two or more, and where it does the results part at
     rounding, in bfloat16 by a whole step, enough to move greedy SD away from the target alone. Whether it does,
@@ -31,14 +44,26 @@ def packed_linear(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     for the target's, where 4 rows ran 3-8% faster than 2; in float32 it parted), so :func:`choose` measures
     it among the exact widths (:func:`exact_lone_widths`)."""
     if flat.shape[0] == 1 and lone_rows > 1:
-        padded = F.pad(flat, (0, 0, 0, lone_rows - 1))
-        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:1]
-    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+        return weight_product(F.pad(flat, (0, 0, 0, lone_rows - 1)), packed, bias, scales)[:1]
+    return weight_product(flat, packed, bias, scales)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     # The batch-size hint only guides oneDNN's blocking; any number of rows runs on the packed weight.
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8, symmetric, one bfloat16 scale per output row: what
+    ``torch.ops.aten._weight_int8pack_mm`` multiplies bfloat16 rows with. Why: a decode step on a CPU reads
+    every weight once, and int8 is a quarter of float32's bytes; that kernel needs no bfloat16 instructions, so
+    it also serves AVX2-only CPUs, where oneDNN has no bfloat16 path at all (measured on a 2-core AVX2 AMD EPYC,
+    the testbed target's linears at one row: 18 ms against 49 ms float32 packed). It computes each row alone
+    (1 to 256 rows gave every row the same bits there), and needs input widths that are multiples of 8."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+    q = torch.round(w / scales.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales
 
 
 class PackedCompute:
@@ -55,31 +80,43 @@ class PackedCompute:
     bias: torch.Tensor | None
     lone_rows: int
     max_rows: int = MAX_ROWS
+    scales: torch.Tensor | None = None  # int8 weights (:func:`quantize`); None: oneDNN-packed
     _scratch: torch.Tensor | None = None
+
+    def hold(self, weight: torch.Tensor, int8: bool) -> None:
+        """Keep ``weight`` [out, in] as this kernel computes with it: oneDNN-packed, or int8 with row scales."""
+        if int8:
+            self.packed, self.scales = quantize(weight)
+        else:
+            self.packed = pack(weight)
+
+    def product(self, flat: torch.Tensor, lone_rows: int = 1) -> torch.Tensor:
+        """The layer on ``flat``, a lone row computed as ``lone_rows`` rows, in one kernel call."""
+        return packed_linear(flat, self.packed, self.bias, lone_rows, self.scales)
 
     def compute(self, flat: torch.Tensor) -> torch.Tensor:
         """The layer (or every member of the group, side by side) on a [rows, in_features] input."""
         if flat.shape[0] > self.max_rows:
             return torch.cat([self.compute(part) for part in flat.split(self.max_rows)])
         if flat.shape[0] != 1 or self.lone_rows == 1:
-            return packed_linear(flat, self.packed, self.bias, self.lone_rows)
+            return self.product(flat, self.lone_rows)
         scratch = self._scratch
         if scratch is None or scratch.shape[0] != self.lone_rows or scratch.dtype != flat.dtype:
             scratch = self._scratch = flat.new_zeros((self.lone_rows, flat.shape[1]))
         scratch[:1].copy_(flat)  # rows 1.. stay zero: the same block packed_linear pads to
-        return packed_linear(scratch, self.packed, self.bias)[:1]
+        return self.product(scratch)[:1]
 
 
 class PackedLinear(PackedCompute, nn.Module):
     """``nn.Linear`` whose weight is also held in oneDNN's prepacked layout. The original parameter stays
     (shared, so a lm_head tied to the embeddings stays tied, and fingerprints and state dicts see it)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, int8: bool = False):
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack(linear.weight)
+        self.hold(linear.weight, int8)
         self.lone_rows = LONE_ROWS
 
     @property
@@ -96,10 +133,10 @@ class FusedLinears(PackedCompute):
     SmolLM2-shaped stack took 1.7x the time of the 120 fused ones at one row, the weights being the same bytes.
     The first member called with an input computes every member's output; the others take their slice."""
 
-    def __init__(self, linears: list[nn.Linear]):
+    def __init__(self, linears: list[nn.Linear], int8: bool = False):
         self.sizes = [lin.out_features for lin in linears]
         self.in_features, self.dtype = linears[0].in_features, linears[0].weight.dtype
-        self.packed = pack(torch.cat([lin.weight.detach() for lin in linears]))
+        self.hold(torch.cat([lin.weight.detach() for lin in linears]), int8)
         biases = [lin.bias for lin in linears]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
         self.lone_rows = LONE_ROWS
@@ -133,28 +170,42 @@ class FusedMember(nn.Module):
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that read one input in HF models
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a CPU model by a packed one, fusing the groups in ``FUSED`` that a module
-    holds (members must agree on input width and on having a bias); returns how many linears were replaced."""
+def pack_linears(model: nn.Module, int8: bool = False) -> int:
+    """Replace every ``nn.Linear`` of a CPU model by a packed one (oneDNN-packed, or with ``int8`` weight-only
+    int8, :func:`quantize`), fusing the groups in ``FUSED`` that a module holds (members must agree on input
+    width and on having a bias); returns how many linears were replaced."""
+    if int8:
+        odd = sorted({m.in_features for m in model.modules() if type(m) is nn.Linear and m.in_features % 8})
+        if odd:  # the int8 kernel computes wrong numbers (or crashes) on other widths (measured: 12, 20, 36, 50)
+            raise UsageError(f"int8 weights need linear input widths that are multiples of 8 (this model has "
+                             f"{odd[0]}): use --dtype bfloat16 or float32")
     replaced = 0
     for module in list(model.modules()):
         for names in FUSED:
             linears = [getattr(module, n, None) for n in names]
             if (all(type(lin) is nn.Linear for lin in linears) and len({lin.in_features for lin in linears}) == 1
                     and len({lin.bias is None for lin in linears}) == 1):
-                group = FusedLinears(linears)
+                group = FusedLinears(linears, int8)
                 for i, (name, lin) in enumerate(zip(names, linears, strict=True)):
                     setattr(module, name, FusedMember(lin, group, i))
                 replaced += len(names)
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod, int8))
     return replaced + len(targets)
 
 
 def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, (PackedLinear, FusedMember)) for m in model.modules())
+
+
+def weights_dtype(model: nn.Module) -> str:
+    """The dtype a model computes in, as label files and eval runs record it: ``int8`` for weight-only int8
+    linears (their activations are bfloat16, which is what ``model.dtype`` says), else ``model.dtype``."""
+    if any(k.scales is not None for k in packed_kernels(model)):
+        return "int8"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def kernel_of(linear: nn.Module) -> PackedLinear | FusedLinears:
@@ -197,12 +248,12 @@ def exact_row_limit(model: nn.Module, top: int = ROW_LIMIT, block: int = 6) -> i
     with torch.inference_mode():
         for k in shapes.values():
             x = torch.randn(top, k.in_features, generator=gen).to(k.dtype)
-            reference = torch.cat([packed_linear(x[i:i + block], k.packed, k.bias) for i in range(0, top, block)])
+            reference = torch.cat([k.product(x[i:i + block]) for i in range(0, top, block)])
             sizes = sparse if reference.shape[1] > 8192 else range(2, top + 1)
             for m in sizes:
                 if m >= first_bad:
                     break
-                if not torch.equal(packed_linear(x[:m], k.packed, k.bias), reference[:m]):
+                if not torch.equal(k.product(x[:m]), reference[:m]):
                     first_bad = m
     return max(block, first_bad - 1)
 
@@ -216,8 +267,7 @@ def exact_lone_widths(model: nn.Module, widths: tuple[int, ...] = LONE_WIDTHS, r
     exact = []
     with torch.inference_mode():
         for width in widths:
-            if all(torch.equal(packed_linear(x, k.packed, k.bias),
-                               torch.cat([packed_linear(x[i:i + 1], k.packed, k.bias, width) for i in range(rows)]))
+            if all(torch.equal(k.product(x), torch.cat([k.product(x[i:i + 1], width) for i in range(rows)]))
                    for k, x in probes):
                 exact.append(width)
     return exact

@@ -218,7 +218,7 @@ def placement(*lms: LM | None) -> list[str] | None:
     """Device and dtype of each model ("cuda bfloat16"), or None when all are float32 on the CPU (what every
     earlier run used): rows decoded elsewhere have other timings and may differ in the last bits, so a run
     moved to another device or dtype must not resume from them."""
-    where = [f"{lm.device.type} {str(lm.model.dtype).removeprefix('torch.')}" for lm in lms if lm is not None]
+    where = [f"{lm.device.type} {lm.weights_dtype}" for lm in lms if lm is not None]
     return where if any(w != "cpu float32" for w in where) else None
 
 

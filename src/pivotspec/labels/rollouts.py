@@ -357,7 +357,9 @@ def make_engine(name: str, target: LM, seed: int = 0, python: str | None = None)
         raise UsageError(f"the vLLM engine needs the target as a Hugging Face directory; {target.name!r} has none")
     if target.vocab_map is not None:
         raise UsageError("the vLLM engine cannot run a reduced-vocabulary model as the target")
-    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    dtype = target.weights_dtype
+    if dtype == "int8":
+        raise UsageError("the vLLM engine has no weight-only int8 path: give the target --dtype bfloat16 or float32")
     # vLLM reserves this fraction of the device's memory (of RAM on the CPU build) for weights and KV cache;
     # its default, 0.9, leaves nothing for the torch copy of the target that walks the trajectories.
     extra: dict[str, Any] = {"gpu_memory_utilization": 0.5 if target.device.type == "cuda" else 0.2}

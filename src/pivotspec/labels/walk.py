@@ -112,7 +112,7 @@ def model_identity(lm: LM) -> dict:
     """What a label or a classifier was made with: the model's name, shape, a fingerprint of its weights (a
     retrained model keeps its name and shape) and the dtype it computed in."""
     return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size,
-            "weights": lm.weights_fingerprint, "dtype": str(lm.model.dtype).removeprefix("torch.")}
+            "weights": lm.weights_fingerprint, "dtype": lm.weights_dtype}
 
 
 def same_model(a: dict | None, b: dict | None) -> bool:
