@@ -3,11 +3,13 @@
     python benchmarks/cpu_forwards.py --out benchmarks/results/cpu_forwards.json
 
 Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec number
-before the fast path; float32 packed; bfloat16 plain and packed, ``--dtype bfloat16``; a packed path once per
+before the fast path; float32 packed; bfloat16 plain, and packed (``--dtype bfloat16``) where oneDNN runs
+bfloat16 natively; weight-only int8 (``--dtype int8``, opt-in); a packed path once per
 lone-row width that keeps the many-row numbers, the widths ``fastpath.choose`` picks among, and once through
 transformers' forward where the lean Llama forward applies, to show what it saves): median ms of a
-1-token and a 6-token forward after 64 cached tokens (interleaved repeats), the bytes of weights, and the time
-to read them once at this machine's read bandwidth, measured here (median of summing a 512 MB buffer). Then
+1-, 4- and 6-token forward after 64 cached tokens (the decode step, SD's verification at gamma 3 and 5;
+interleaved repeats), the bytes of weights, and the time to read them once at this machine's read bandwidth,
+measured here (median of summing a 512 MB buffer). Then
 ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped classifier) on the testbed pair per path,
 interleaved over arith validation problems; and llama.cpp (llama-cpp-python from a benchmark-only environment,
 ``--llama-python``) decoding SmolLM2 from the shipped Q4_1 GGUF. Each row says how its tokens compare with
@@ -34,7 +36,9 @@ from pivotspec.decoding import fastpath, packing
 from pivotspec.decoding.fastpath import CpuPath
 from pivotspec.decoding.forward import LEAN, is_lean
 
-PATHS = [CpuPath("float32", False), CpuPath("float32", True), CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
+PATHS = [CpuPath("float32", False), CpuPath("float32", True), CpuPath("bfloat16", False),
+         *([CpuPath("bfloat16", True)] if fastpath.capabilities()["onednn_bf16"] else []),  # oneDNN refuses it
+         CpuPath(fastpath.INT8, True)]
 LLAMA = r"""
 import json, sys, time, statistics
 from llama_cpp import Llama
@@ -90,6 +94,16 @@ def variants(base: Any) -> dict[str, tuple[Any, int]]:
     return out
 
 
+def weight_bytes(model: Any) -> int:
+    """The bytes of weights a forward reads: the parameters, with int8 kernels counted as what they hold (int8
+    weights and their scales) in place of the float32 parameters they were made from (kept, unread)."""
+    int8 = [k for k in packing.packed_kernels(model) if k.scales is not None]
+    replaced = {id(t) for m in model.modules() if isinstance(m, (packing.PackedLinear, packing.FusedMember))
+                and packing.kernel_of(m).scales is not None for t in (m.weight, m.bias) if t is not None}
+    held = sum(t.numel() * t.element_size() for k in int8 for t in (k.packed, k.scales, k.bias) if t is not None)
+    return held + sum(t.numel() * t.element_size() for t in model.parameters() if id(t) not in replaced)
+
+
 def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
     lm = load_plain(api.load_model, name, dtype="float32")
     rows = []
@@ -100,14 +114,16 @@ def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
             model, width = models[label]
             if width:
                 packing.set_lone_rows(model, width)
-            timings[label].append(fastpath.time_forwards(model, reps=3))
+            timings[label].append(fastpath.time_forwards(model, reps=3, widths=(1, 4, 6)))
     for label, (m, _) in models.items():
-        nbytes = sum(t.numel() * t.element_size() for t in m.parameters())
+        nbytes = weight_bytes(m)
         one = statistics.median(t["1_token_ms"] for t in timings[label])
         six = statistics.median(t["6_token_ms"] for t in timings[label])
+        four = statistics.median(t["4_token_ms"] for t in timings[label])  # gamma 3's verification
         read_ms = nbytes / bandwidth / 1e6
         rows.append({"model": name, "path": label, "weights_mb": round(nbytes / 1e6), "read_ms": read_ms,
-                     "1_token_ms": one, "6_token_ms": six, "6_over_1": six / one, "1_token_over_read": one / read_ms})
+                     "1_token_ms": one, "4_token_ms": four, "6_token_ms": six, "6_over_1": six / one,
+                     "1_token_over_read": one / read_ms})
     return rows
 
 
@@ -179,10 +195,12 @@ def main() -> None:
     result["forwards"] = []
     for name in ("testbed-target", "testbed-draft", "smollm2-135m-instruct"):
         result["forwards"] += forwards(name, args.repeats, bw)
-    print(f"{'model':22} {'path':52} {'MB':>5} {'read ms':>8} {'1-tok ms':>9} {'6-tok ms':>9} {'6/1':>5} {'1/read':>7}")
+    print(f"{'model':22} {'path':52} {'MB':>5} {'read ms':>8} {'1-tok ms':>9} {'4-tok ms':>9} {'6-tok ms':>9} "
+          f"{'6/1':>5} {'1/read':>7}")
     for r in result["forwards"]:
         print(f"{r['model']:22} {r['path']:52} {r['weights_mb']:5} {r['read_ms']:8.1f} {r['1_token_ms']:9.1f} "
-              f"{r['6_token_ms']:9.1f} {r['6_over_1']:5.2f} {r['1_token_over_read']:7.2f}", flush=True)
+              f"{r['4_token_ms']:9.1f} {r['6_token_ms']:9.1f} {r['6_over_1']:5.2f} {r['1_token_over_read']:7.2f}",
+              flush=True)
     peer = llama_cpp(args.llama_python, args.threads, 64, 5)
     result["llama_cpp_smollm2_q4_1"] = peer
     if peer and not peer["ms_per_token"]:

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 from pivotspec import api
-from pivotspec.evaluation.summary import mcnemar_exact, wilson_ci
 
 PAIRS = ("testbed", "testbed-hard")
 
@@ -35,9 +34,9 @@ def compare(base: dict[str, dict], other: dict[str, dict]) -> dict:
     right = sum(other[i]["score"] > 0.5 for i in ids)
     only_base = sum(base[i]["score"] > 0.5 >= other[i]["score"] for i in ids)
     only_other = sum(other[i]["score"] > 0.5 >= base[i]["score"] for i in ids)
-    return {"n": len(ids), "accuracy": right / len(ids), "ci95": wilson_ci(right, len(ids)),
+    return {"n": len(ids), "accuracy": right / len(ids), "ci95": api.wilson_ci(right, len(ids)),
             "only_float32_right": only_base, "only_this_right": only_other,
-            "p_mcnemar": mcnemar_exact(only_base, only_other),
+            "p_mcnemar": api.mcnemar_exact(only_base, only_other),
             "identical_completions": sum(base[i]["completion"] == other[i]["completion"] for i in ids)}
 
 

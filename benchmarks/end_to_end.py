@@ -4,9 +4,9 @@
 
 Each command runs as a new process (model loading and conversion included, the fast-path verdict already
 cached by an untimed warm-up) under three settings: float32 with plain linears (every pivotspec number before
-the fast path: ``PIVOTSPEC_DTYPE=float32 PIVOTSPEC_CPU_KERNELS=plain``), the CPU default (``--dtype auto``) and
-``--dtype bfloat16``. Repeats interleave the settings, order alternating; the table gives median wall seconds
-and the ratio to float32 plain.
+the fast path: ``PIVOTSPEC_DTYPE=float32 PIVOTSPEC_CPU_KERNELS=plain``), the CPU default (``--dtype auto``),
+``--dtype bfloat16`` and ``--dtype int8`` (``--settings`` picks some). Repeats interleave the settings, order
+alternating; the table gives median wall seconds and the ratio to float32 plain.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ SETTINGS = {
     "float32 plain": {"PIVOTSPEC_DTYPE": "float32", "PIVOTSPEC_CPU_KERNELS": "plain"},
     "auto": {"PIVOTSPEC_DTYPE": "auto"},
     "bfloat16": {"PIVOTSPEC_DTYPE": "bfloat16"},
+    "int8": {"PIVOTSPEC_DTYPE": "int8"},
 }
 
 
@@ -43,19 +44,25 @@ def main() -> None:
     ap.add_argument("--demo-n", type=int, default=20, help="test problems for the demo (its default: 20)")
     ap.add_argument("--label-n", type=int, default=4, help="validation problems to label")
     ap.add_argument("--rollouts", type=int, default=6)
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help=f"comma-separated, from {', '.join(SETTINGS)} (float32 plain, the baseline, is always run)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/end_to_end.json"))
     args = ap.parse_args()
+    asked = {s.strip() for s in args.settings.split(",")}
+    if asked - set(SETTINGS):
+        ap.error(f"unknown setting {sorted(asked - set(SETTINGS))[0]!r}: choose from {', '.join(SETTINGS)}")
+    settings = [s for s in SETTINGS if s in asked or s == "float32 plain"]
     walls: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         cmds = commands(args.demo_n, args.label_n, args.rollouts, Path(tmp))
         # Untimed: each setting's fast-path verdicts measured and cached (a new verdict is timed once per machine
         # and model, tens of seconds that the first timed run would otherwise carry).
         warm = commands(1, 1, 1, Path(tmp))["demo"]
-        for setting in SETTINGS:
+        for setting in settings:
             subprocess.run(warm, env={**os.environ, **SETTINGS[setting]}, check=True, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
         for r in range(args.repeats):
-            order = list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]
+            order = settings if r % 2 == 0 else settings[::-1]
             for job, cmd in cmds.items():
                 for setting in order:
                     env = {**os.environ, **SETTINGS[setting]}
@@ -66,7 +73,7 @@ def main() -> None:
     rows = []
     for job in cmds:
         base = statistics.median(walls[job, "float32 plain"])
-        for setting in SETTINGS:
+        for setting in settings:
             med = statistics.median(walls[job, setting])
             rows.append({"job": job, "setting": setting, "wall_s": med, "runs": walls[job, setting],
                          "speedup_vs_float32_plain": base / med})

@@ -70,9 +70,12 @@ from pivotspec.decoding.fastpath import capabilities as cpu_capabilities
 from pivotspec.decoding.loop import METHODS, Generation
 from pivotspec.decoding.sampling import derive_seed
 from pivotspec.evaluation.runs import EvalSettings, MethodSpec
+from pivotspec.evaluation.summary import mcnemar_exact, wilson_ci
 
 __all__ = [
     "derive_seed",
+    "mcnemar_exact",
+    "wilson_ci",
     "CLASSIFIER_TYPES",
     "DEFAULT_P_FLOOR",
     "ENGINES",

@@ -141,16 +141,17 @@ def machine_key() -> str:
     return f"{caps['cpu']}|{caps['isa']}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 
-def time_forwards(model: nn.Module, reps: int = 7, context: int = 64) -> dict[str, float]:
-    """Median ms of a 1-token and a 6-token forward after ``context`` cached tokens (the decode step and SD's
-    verification at gamma 5), each rep on a fresh cache of the same contents."""
+def time_forwards(model: nn.Module, reps: int = 7, context: int = 64,
+                  widths: tuple[int, ...] = (1, 6)) -> dict[str, float]:
+    """Median ms of a forward of each of ``widths`` new tokens after ``context`` cached tokens (by default the
+    decode step and SD's verification at gamma 5), each rep on a fresh cache of the same contents."""
     from pivotspec.decoding.kvcache import growing_cache
 
     vocab = int(model.config.vocab_size)
     prompt = torch.arange(context, dtype=torch.long).remainder(vocab).unsqueeze(0)
     out = {}
     with torch.inference_mode():
-        for width in (1, 6):
+        for width in widths:
             step = torch.arange(width, dtype=torch.long).remainder(vocab).unsqueeze(0)
             times = []
             for _ in range(reps + 2):
