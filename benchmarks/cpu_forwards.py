@@ -186,8 +186,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--llama-python", default=".venv-llama/bin/python",
                     help="a Python with llama-cpp-python 0.3.36 (benchmark only; absent: the peer row is skipped)")
+    ap.add_argument("--paths", default=",".join(p.label for p in PATHS),
+                    help="comma-separated paths to time (float32 is always kept: the decoding rows compare with it)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_forwards.json"))
     args = ap.parse_args()
+    asked = {p.strip() for p in args.paths.split(",")}
+    if asked - {p.label for p in PATHS}:
+        ap.error(f"unknown path {sorted(asked - {p.label for p in PATHS})[0]!r}: choose from "
+                 f"{', '.join(p.label for p in PATHS)}")
+    PATHS[:] = [p for p in PATHS if p.label in asked or p.label == "float32"]
     torch.set_num_threads(args.threads)
     result = {"machine": fastpath.capabilities(), "torch": torch.__version__, "threads": args.threads}
     result["read_bandwidth_gbs"] = bw = read_bandwidth_gbs()

@@ -240,7 +240,7 @@ def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtyp
         pd = decode("pad", target, draft, ids, pad, gamma=5, max_new_tokens=24, eos_ids=set())
         assert sd.token_ids == ar.token_ids == pd.token_ids
     name, calls = attention
-    assert bool(calls) == (dtype == "bfloat16" and name == "kernel")  # float32 models attend with SDPA whole
+    assert bool(calls) == (dtype != "float32" and name == "kernel")  # float32 models attend with SDPA whole
     if dtype == "int8":  # int8 weights, not float32's rounded: what it computes is its own
         assert packing.is_packed(target.model) and all(k.scales is not None for k in packing.packed_kernels(
             target.model))
@@ -323,17 +323,20 @@ def test_sliding_windows_are_told_apart():
 
 
 @pytest.mark.slow  # real models
-@needs_bf16
-def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16(attention):
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
+def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8(attention, dtype):
+    """int8's linears round their inputs to bfloat16, so float32 attention's last-bit differences between a
+    query alone and beside others became whole bfloat16 steps there too: with SDPA whole, SD parted from ar on
+    the 4th of these problems (an AVX2 AMD EPYC)."""
     from pivotspec import api
     from pivotspec.decoding.models import eos_ids
     from pivotspec.tasks import encode_problem
 
-    pair = api.load_pair(pair="testbed", dtype="bfloat16")
+    pair = api.load_pair(pair="testbed", dtype=dtype)
     assert packing.is_packed(pair.target.model)
     task = api.get_task("arith")
     pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
-    for problem in task.problems("validation", 4):
+    for problem in task.problems("validation", 4 if dtype == "bfloat16" else 6):
         ids = encode_problem(pair.target.tokenizer, problem)
         kw = dict(max_new_tokens=64, eos_ids=eos_ids(pair.target))
         ar = decode("ar", pair.target, None, ids, **kw)
@@ -374,7 +377,7 @@ def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attenti
         jobs.append((method, Request(ids, policy=policy, gamma=gamma, max_new_tokens=6 + 3 * i,
                                      speculate=method != "ar")))
     assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
-    assert bool(attention[1]) == (attention[0] == "kernel" and dtype == "bfloat16")  # int8 attends in float32
+    assert bool(attention[1]) == (attention[0] == "kernel")
 
 
 @needs_bf16
@@ -413,15 +416,15 @@ def test_rows_take_a_shared_prefix_and_still_equal_batch1(tiny_dir, attention, m
 
 
 @pytest.mark.slow  # real models
-@needs_bf16
-def test_testbed_batched_rows_equal_batch1_in_bfloat16(attention):
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
+def test_testbed_batched_rows_equal_batch1_in_bfloat16_and_int8(attention, dtype):
     from pivotspec import api
     from pivotspec.decoding.batch import Request
     from pivotspec.decoding.models import eos_ids
     from pivotspec.tasks import encode_problem
     from tests.test_batch import assert_rows_equal_batch1
 
-    pair = api.load_pair(pair="testbed", dtype="bfloat16")
+    pair = api.load_pair(pair="testbed", dtype=dtype)
     pad = api.make_policy(pair, "pad", sigma=0.5, pair_name="testbed")
     jobs = []
     for i, problem in enumerate(api.get_task("arith").problems("validation", 8)):

@@ -53,8 +53,10 @@ FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # Weight-only int8 (``packing.quantize``), opt-in only: its weights are not the checkpoint's, so its tokens and
 # accuracy are its own (README, "CPU forwards"). Everything else stays float32 (the linears' inputs are rounded
 # to bfloat16 for the kernel): on a 2-core AVX2 AMD EPYC the testbed target's 1-token forward took 23 ms so,
-# against 37 ms with every activation in bfloat16, which that CPU computes without bfloat16 instructions; and
-# float32 attention keeps float32's exactness (greedy SD equal to ar) without the bfloat16 path's measures.
+# against 37 ms with every activation in bfloat16, which that CPU computes without bfloat16 instructions. It
+# attends per query as bfloat16 does (``attention_in_float32``): float32 SDPA sums a query beside others in
+# another order, about 1e-7 apart, and the rounding to bfloat16 before the next linear turned that into a
+# whole bfloat16 step; greedy SD parted from ar on 1 of 6 testbed problems before.
 INT8 = "int8"
 DTYPES = (*FLOAT_DTYPES, INT8)
 CACHE_FILE = "fastpath.json"
@@ -173,7 +175,7 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked, giving a plain Llama the lean
     forward over them, packed or not (``forward.make_lean``)."""
     model.to(activation_dtype(path.dtype))
-    if activation_dtype(path.dtype) != torch.float32:
+    if path.dtype != "float32":  # int8 too: its linears round their inputs to bfloat16, see INT8
         attention_in_float32(model)
     if path.packed:
         pack_linears(model, int8=path.dtype == INT8)
