@@ -7,6 +7,8 @@ the weights in their stored layout on every call and one row of bfloat16 goes th
 :class:`PackedLinear` reorders each weight once into oneDNN's blocked layout (what ``torch.compile``'s
 freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
 brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
+The same layers may instead hold int8 weights (:func:`quantize`, ``--dtype int8``), computed by PyTorch's
+weight-only int8 kernel: the fast path of CPUs without bfloat16 instructions.
 """
 
 from __future__ import annotations
