@@ -325,6 +325,8 @@ def test_sliding_windows_are_told_apart():
 @pytest.mark.slow  # real models
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
 def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8(attention, dtype):
+    if dtype == "int8" and attention[0] == "torch":
+        pytest.skip("int8 runs the attention kernel here; the per-query PyTorch calls are bfloat16's test")
     """int8's linears round their inputs to bfloat16, so float32 attention's last-bit differences between a
     query alone and beside others became whole bfloat16 steps there too: with SDPA whole, SD parted from ar on
     the 4th of these problems (an AVX2 AMD EPYC)."""
@@ -418,6 +420,8 @@ def test_rows_take_a_shared_prefix_and_still_equal_batch1(tiny_dir, attention, m
 @pytest.mark.slow  # real models
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
 def test_testbed_batched_rows_equal_batch1_in_bfloat16_and_int8(attention, dtype):
+    if dtype == "int8" and attention[0] == "torch":
+        pytest.skip("int8 runs the attention kernel here; the per-query PyTorch calls are bfloat16's test")
     from pivotspec import api
     from pivotspec.decoding.batch import Request
     from pivotspec.decoding.models import eos_ids

@@ -240,8 +240,8 @@ def exact_row_limit(model: nn.Module, top: int = ROW_LIMIT, block: int = 6) -> i
     """The most rows (up to ``top``) up to which every block size gives each row, bit for bit, the numbers a
     block of ``block`` rows gives it (the verification's width), for every packed weight shape of ``model``,
     probed with seeded random rows: every block size from 2, except on weights wider than 8,192 outputs (an LM
-    head, which sees only the kept rows of a step), where a set of sizes around the powers of two is probed,
-    as probing every size took seconds. At least ``block`` (the widths a step computes at batch 1)."""
+    head, which sees only the kept rows of a step) and int8 weights, where a set of sizes around the powers of
+    two is probed, as probing every size took seconds. At least ``block`` (the widths a step computes at batch 1)."""
     gen = torch.Generator().manual_seed(0)
     sparse = sorted({m for p in (4, 8, 16, 32, 64, 128, 256) for m in (p - 1, p, p + 1) if 2 <= m <= top}
                     | set(range(2, 17)) | {top})
@@ -251,7 +251,9 @@ def exact_row_limit(model: nn.Module, top: int = ROW_LIMIT, block: int = 6) -> i
         for k in shapes.values():
             x = torch.randn(top, k.in_features, generator=gen).to(k.dtype)
             reference = torch.cat([k.product(x[i:i + block]) for i in range(0, top, block)])
-            sizes = sparse if reference.shape[1] > 8192 else range(2, top + 1)
+            # int8 kernels too: they compute rows in blocks of 4, so the sizes around block edges tell (every
+            # size took a minute of the testbed pair's first int8 load)
+            sizes = sparse if reference.shape[1] > 8192 or k.scales is not None else range(2, top + 1)
             for m in sizes:
                 if m >= first_bad:
                     break
