@@ -52,8 +52,9 @@ from pivotspec.errors import UsageError
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight-only int8 (``packing.quantize``), opt-in only: its weights are not the checkpoint's, so its tokens and
 # accuracy are its own (README, "CPU forwards"). Everything else stays float32 (the linears' inputs are rounded
-# to bfloat16 for the kernel): on a 2-core AVX2 AMD EPYC the testbed target's 1-token forward took 23 ms so,
-# against 37 ms with every activation in bfloat16, which that CPU computes without bfloat16 instructions. It
+# to bfloat16 for the kernel): on a 2-core AVX2 AMD EPYC the testbed target's 1-token forward took 23-25 ms so
+# in a scratch A/B, against 37 ms with every activation in bfloat16, which that CPU computes without bfloat16
+# instructions (benchmarks/cpu_forwards.py, another run: 28.0 ms against float32's 56.0). It
 # attends per query as bfloat16 does (``attention_in_float32``): float32 SDPA sums a query beside others in
 # another order, about 1e-7 apart, and the rounding to bfloat16 before the next linear turned that into a
 # whole bfloat16 step; greedy SD parted from ar on 1 of 6 testbed problems before.

@@ -204,7 +204,7 @@ def is_packed(model: nn.Module) -> bool:
 
 def weights_dtype(model: nn.Module) -> str:
     """The dtype a model computes in, as label files and eval runs record it: ``int8`` for weight-only int8
-    linears (their activations are bfloat16, which is what ``model.dtype`` says), else ``model.dtype``."""
+    linears (the rest of such a model is float32, which is what ``model.dtype`` says), else ``model.dtype``."""
     if any(k.scales is not None for k in packed_kernels(model)):
         return "int8"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
