@@ -3,13 +3,13 @@
     python benchmarks/cpu_forwards.py --out benchmarks/results/cpu_forwards.json
 
 Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec number
-before the fast path; float32 packed; bfloat16 plain, and packed (``--dtype bfloat16``) where oneDNN runs
-bfloat16 natively; weight-only int8 (``--dtype int8``, opt-in); a packed path once per
-lone-row width that keeps the many-row numbers, the widths ``fastpath.choose`` picks among, and once through
-transformers' forward where the lean Llama forward applies, to show what it saves): median ms of a
-1-, 4- and 6-token forward after 64 cached tokens (the decode step, SD's verification at gamma 3 and 5;
-interleaved repeats), the bytes of weights, and the time to read them once at this machine's read bandwidth,
-measured here (median of summing a 512 MB buffer). Then
+before the fast path; float32 packed; float32 rowwise, the row-wise C kernel, where it builds; bfloat16 plain,
+and packed (``--dtype bfloat16``) where oneDNN runs bfloat16 natively; weight-only int8 (``--dtype int8``,
+opt-in); a packed path once per lone-row width that keeps the many-row numbers, the widths ``fastpath.choose``
+picks among, and once through transformers' forward where the lean Llama forward applies, to show what it
+saves): median ms of a 1-, 4- and 6-token forward after 64 cached tokens (the decode step, SD's verification
+at gamma 3 and 5; interleaved repeats), the bytes of weights, and the time to read them once at this machine's
+read bandwidth, measured here (median of summing a 512 MB buffer). Then
 ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped classifier) on the testbed pair per path,
 interleaved over arith validation problems; and llama.cpp (llama-cpp-python from a benchmark-only environment,
 ``--llama-python``) decoding SmolLM2 from the shipped Q4_1 GGUF. Each row says how its tokens compare with
@@ -32,11 +32,12 @@ from typing import Any
 import torch
 
 from pivotspec import api
-from pivotspec.decoding import fastpath, packing
+from pivotspec.decoding import fastpath, packing, rowwise
 from pivotspec.decoding.fastpath import CpuPath
 from pivotspec.decoding.forward import LEAN, is_lean
 
-PATHS = [CpuPath("float32", False), CpuPath("float32", True), CpuPath("bfloat16", False),
+PATHS = [CpuPath("float32", False), CpuPath("float32", True),
+         *([fastpath.ROWWISE] if rowwise.available() else []), CpuPath("bfloat16", False),
          *([CpuPath("bfloat16", True)] if fastpath.capabilities()["onednn_bf16"] else []),  # oneDNN refuses it
          CpuPath(fastpath.INT8, True)]
 LLAMA = r"""
@@ -66,9 +67,10 @@ def read_bandwidth_gbs(reps: int = 7) -> float:
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
-def load_plain(load: Any, *args: Any, **kwargs: Any) -> Any:
-    """``load`` with the packed kernels ruled out (float32 plain: pivotspec before the fast path)."""
-    os.environ["PIVOTSPEC_CPU_KERNELS"] = "plain"
+def load_pinned(kernels: str, load: Any, *args: Any, **kwargs: Any) -> Any:
+    """``load`` with the CPU kernels pinned (``$PIVOTSPEC_CPU_KERNELS``: plain, as pivotspec before the fast
+    path; packed; rowwise), so that a path's row is that path and not what auto would measure fastest."""
+    os.environ["PIVOTSPEC_CPU_KERNELS"] = kernels
     try:
         return load(*args, **kwargs)
     finally:
@@ -81,7 +83,7 @@ def variants(base: Any) -> dict[str, tuple[Any, int]]:
     out = {}
     for p in PATHS:
         model = fastpath.convert(copy.deepcopy(base), p)
-        if not p.packed:
+        if not p.packed or p.rowwise:  # the row-wise kernel takes a lone row alone
             out[p.label] = (model, 0)
             continue
         widths = packing.exact_lone_widths(model) or [p.lone_rows]
@@ -105,7 +107,7 @@ def weight_bytes(model: Any) -> int:
 
 
 def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
-    lm = load_plain(api.load_model, name, dtype="float32")
+    lm = load_pinned("plain", api.load_model, name, dtype="float32")
     rows = []
     models = variants(lm.model)
     timings: dict[str, list[dict]] = {k: [] for k in models}
@@ -130,8 +132,8 @@ def forwards(name: str, reps: int, bandwidth: float) -> list[dict]:
 def decoding(n: int, reps: int, max_new: int) -> list[dict]:
     pairs = {}
     for p in PATHS:
-        pairs[p.label] = (api.load_pair(pair="testbed", dtype=p.dtype) if p.packed
-                          else load_plain(api.load_pair, pair="testbed", dtype=p.dtype))
+        kernels = "rowwise" if p.rowwise else "packed" if p.packed else "plain"
+        pairs[p.label] = load_pinned(kernels, api.load_pair, pair="testbed", dtype=p.dtype)
     policies = {k: api.make_policy(pr, "pad", pair_name="testbed") for k, pr in pairs.items()}
     problems = api.get_task("arith").problems("validation", n)
     methods = ["ar", "sd", "pad"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pivotspec.decoding import fastpath, packing
+from pivotspec.decoding import fastpath, packing, rowwise
 from pivotspec.decoding.acceptance import PAD, constant_classifier
 from pivotspec.decoding.fastpath import CpuPath, candidates, choose
 from pivotspec.decoding.loop import decode
@@ -17,6 +17,7 @@ from pivotspec.decoding.models import load_lm
 from pivotspec.decoding.packing import PackedLinear, pack_linears
 
 BF16 = fastpath.capabilities()["onednn_bf16"]
+ROWWISE = {"float32 rowwise"} if rowwise.available() else set()  # where the C kernel builds
 needs_bf16 = pytest.mark.skipif(not BF16, reason="oneDNN runs bfloat16 natively only on CPUs with AVX512-BF16/AMX")
 DTYPES = ["float32", pytest.param("bfloat16", marks=needs_bf16)]
 
@@ -172,13 +173,14 @@ def test_candidates_follow_the_cpu_and_auto_weighs_bfloat16_only_with_its_instru
     emulated = {"onednn_bf16": True, "avx512_bf16": False, "amx_bf16": False}  # AVX-512 without BF16
     bf16 = {"onednn_bf16": True, "avx512_bf16": True, "amx_bf16": False}
     amx = {"onednn_bf16": True, "avx512_bf16": False, "amx_bf16": True}
+    float32 = {"float32", "float32 packed"} | ROWWISE
     for caps in (bf16, amx):
-        assert {p.label for p in candidates(caps)} == {"float32", "float32 packed", "bfloat16 packed"}
+        assert {p.label for p in candidates(caps)} == float32 | {"bfloat16 packed"}
         # a sliding window attends whole, not exact in bfloat16: auto keeps such a model in float32
-        assert {p.label for p in candidates(caps, sliding=True)} == {"float32", "float32 packed"}
-        assert {p.label for p in candidates(caps, "float32")} == {"float32", "float32 packed"}
+        assert {p.label for p in candidates(caps, sliding=True)} == float32
+        assert {p.label for p in candidates(caps, "float32")} == float32
     for caps in (plain, emulated):
-        assert {p.label for p in candidates(caps)} == {"float32", "float32 packed"}
+        assert {p.label for p in candidates(caps)} == float32
     assert {p.label for p in candidates(bf16, "bfloat16")} == {"bfloat16", "bfloat16 packed"}
     # asked for bfloat16 on a CPU without the instructions: it gets it (emulated, unpacked), never float32
     assert [p.label for p in candidates(plain, "bfloat16")] == ["bfloat16"]
@@ -188,7 +190,8 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
-    fake = {"float32": (3.0, 9.0), "float32 packed": (4.0, 6.0), "bfloat16": (3.0, 8.0), "bfloat16 packed": (4.0, 4.0)}
+    fake = {"float32": (3.0, 9.0), "float32 packed": (4.0, 6.0), "float32 rowwise": (4.0, 6.5), "bfloat16": (3.0, 8.0),
+            "bfloat16 packed": (4.0, 4.0)}
     calls = []
 
     def measure(_model, paths):
@@ -207,7 +210,7 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert len(calls) == 2
     # auto weighs float32 and packed bfloat16 together, and leaves float32 only to save a quarter of the time
     assert choose(*args) == CpuPath("float32", True)  # bfloat16 packed saves 20% here (8 ms against 10)
-    assert calls[-1] == ["float32", "float32 packed", "bfloat16 packed"]
+    assert calls[-1] == ["float32", "float32 packed", *ROWWISE, "bfloat16 packed"]
     fake["bfloat16 packed"] = (3.0, 4.0)  # saves 30%: a new model key, measured again
     monkeypatch.setattr(fastpath, "model_key", lambda source: "another")
     assert choose(*args) == CpuPath("bfloat16", True)
@@ -221,6 +224,15 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert len(calls) == 5
     monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "plain")  # pinned: no measurement
     assert choose(*args, dtype="bfloat16") == CpuPath("bfloat16", False)
+    if ROWWISE:
+        monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "rowwise")
+        assert choose(*args, dtype="float32") == fastpath.ROWWISE
+        fake["float32 rowwise"] = (3.0, 5.0)  # the fastest float32 path: chosen, exact at every width
+        monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "auto")
+        monkeypatch.setattr(fastpath, "model_key", lambda source: "a fourth")
+        assert choose(*args, dtype="float32") == fastpath.ROWWISE
+        assert len(calls) == 6
+        calls.pop()
     assert len(calls) == 5
     entries = json.loads(store.read_text()).values()
     assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
@@ -273,7 +285,7 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
 def int8_linear(in_features: int, out_features: int, bias: bool = False) -> tuple[nn.Linear, PackedLinear]:
     torch.manual_seed(2)
     lin = nn.Linear(in_features, out_features, bias=bias)
-    return lin, PackedLinear(lin, int8=True)
+    return lin, PackedLinear(lin, "int8")
 
 
 def test_int8_linear_computes_the_plain_linear_within_its_rounding():
@@ -298,7 +310,7 @@ def test_int8_rows_are_computed_each_alone_at_any_block_size():
         for m in (2, 4, 5, 6, 17, 40):
             assert torch.equal(packed.product(x[:m]), alone[:m])
     model = nn.Sequential(nn.Linear(64, 32))
-    pack_linears(model, int8=True)
+    pack_linears(model, "int8")
     assert packing.exact_lone_widths(model) == [1, 2, 4] and packing.exact_row_limit(model, top=64) == 64
 
 
@@ -307,7 +319,7 @@ def test_int8_refuses_input_widths_its_kernel_gets_wrong():
 
     model = nn.Sequential(nn.Linear(64, 12), nn.Linear(12, 8))
     with pytest.raises(UsageError, match="multiples of 8 .*has 12.*--dtype bfloat16 or float32"):
-        pack_linears(model, int8=True)
+        pack_linears(model, "int8")
     assert type(model[0]) is nn.Linear  # refused before any layer was replaced
 
 

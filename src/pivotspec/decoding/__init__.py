@@ -1,7 +1,8 @@
 """Decoding core: from prompt ids to output tokens, one target forward per step.
 
 Owns the models and their roll-back caches (``models``, ``kvcache``), one forward over a cache (``forward``:
-transformers', or a lean Llama forward on the CPU fast path of ``fastpath``, ``packing`` and ``attention``),
+transformers', or a lean Llama forward on the CPU fast path of ``fastpath``, ``packing`` and ``attention``, whose
+C kernels, ``query_attention`` and ``rowwise``, ``compiled`` builds once per machine),
 turning logits into distributions and
 tokens (``sampling``), the draft's proposal (``drafting``), verification and the acceptance policies
 (``acceptance``: lossless SD and PAD; ``baselines``: the training-free relaxed rules), and the loop that ties them

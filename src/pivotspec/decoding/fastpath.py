@@ -3,7 +3,8 @@ measurement and cached per machine and model.
 
 Why: a transformer's decode step on a CPU is a stream of matrix-vector products, bound by reading the
 weights, and PyTorch's plain kernels read them at about a third of the bandwidth; the packed oneDNN linears
-(``packing``) and, for Llama-family models, a lean forward (``forward``) come closer.
+(``packing``), the row-wise float32 kernel (``rowwise``) and, for Llama-family models, a lean forward
+(``forward``) come closer.
 
 Which kernels win depends on the CPU and on the model's shapes, so :func:`choose` times 1- and 6-token
 forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pivotspec.decoding import rowwise
 from pivotspec.decoding.attention import attention_in_float32
 from pivotspec.decoding.forward import make_lean, model_forward
 from pivotspec.decoding.machine import cpu_flags, cpu_name
@@ -41,6 +43,7 @@ from pivotspec.decoding.packing import (
     LONE_ROWS,
     LONE_WIDTHS,
     MAX_ROWS,
+    ROW_LIMIT,
     exact_lone_widths,
     exact_row_limit,
     pack_linears,
@@ -83,18 +86,28 @@ def capabilities() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class CpuPath:
-    """One way to run a model on the CPU: weight dtype, whether linears use packed oneDNN weights, and for
-    packed ones how many rows a lone row is computed as and how many one call takes at most
-    (``packing.PackedCompute``)."""
+    """One way to run a model on the CPU: weight dtype, whether its linears are packed ones
+    (``packing.PackedCompute``) and, for those, their kernel (oneDNN, or for float32 the row-wise kernel;
+    int8 weights have their own), how many rows a lone row is computed as and how many one call takes at
+    most."""
 
     dtype: str
     packed: bool
     lone_rows: int = LONE_ROWS
     max_rows: int = MAX_ROWS
+    rowwise: bool = False
+
+    @property
+    def kernel(self) -> str:
+        """The packed linears' kernel (``packing.KERNELS``)."""
+        return INT8 if self.dtype == INT8 else "rowwise" if self.rowwise else "onednn"
 
     @property
     def label(self) -> str:
-        return f"{self.dtype}{' packed' if self.packed else ''}"
+        return f"{self.dtype}{' rowwise' if self.rowwise else ' packed' if self.packed else ''}"
+
+
+ROWWISE = CpuPath("float32", True, lone_rows=1, max_rows=ROW_LIMIT, rowwise=True)  # exact at any width
 
 
 def native_bf16(caps: dict[str, Any]) -> bool:
@@ -114,15 +127,16 @@ def candidates(caps: dict[str, Any], dtype: str | None = None, sliding: bool = F
     """The paths worth timing. Auto (``dtype`` None): float32, plain and packed, and bfloat16 packed where the
     CPU has bfloat16 instructions and the model no sliding window (where the packed bfloat16 path keeps the
     exactness promises within its dtype; its accuracy and the shipped classifiers' AUROC were checked against
-    float32, README). An asked-for dtype gets its own kernels, packed where oneDNN has them for it (bfloat16
-    natively only with AVX512-BF16/AMX); ``int8`` only its packed path, which any CPU runs."""
+    float32, README). Float32 also gets the row-wise kernel where it builds here (``rowwise``). An asked-for
+    dtype gets its own kernels, packed where oneDNN has them for it (bfloat16 natively only with
+    AVX512-BF16/AMX); ``int8`` only its packed path, which any CPU runs."""
     if dtype == INT8:
         return [CpuPath(INT8, True)]
+    float32 = [CpuPath("float32", False), CpuPath("float32", True), *([ROWWISE] if rowwise.available() else [])]
     if dtype is None:
-        extra = [CpuPath("bfloat16", True)] if native_bf16(caps) and not sliding else []
-        return [CpuPath("float32", False), CpuPath("float32", True), *extra]
+        return float32 + ([CpuPath("bfloat16", True)] if native_bf16(caps) and not sliding else [])
     if dtype == "float32":
-        return [CpuPath("float32", False), CpuPath("float32", True)]
+        return float32
     if dtype == "bfloat16" and caps["onednn_bf16"]:
         return [CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
     return [CpuPath(dtype, False)]
@@ -179,7 +193,7 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     if path.dtype != "float32":  # int8 too: its linears round their inputs to bfloat16, see INT8
         attention_in_float32(model)
     if path.packed:
-        pack_linears(model, int8=path.dtype == INT8)
+        pack_linears(model, path.kernel)
         set_lone_rows(model, path.lone_rows)
         set_max_rows(model, path.max_rows)
     make_lean(model)
@@ -194,7 +208,7 @@ def measure(model: nn.Module, paths: list[CpuPath]) -> dict[str, dict[str, Any]]
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
         trial = convert(copy.deepcopy(model), path)
-        if not path.packed:
+        if not path.packed or path.rowwise:  # the row-wise kernel is exact at any width (``rowwise.c``)
             results[path.label] = time_forwards(trial)
             continue
         # Widths interleaved, 3 rounds: timed one after another, 7 forwards each, the verdicts moved with the
@@ -225,14 +239,16 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
     """The fastest path for this float32 CPU ``model`` (read from the cache, or measured once and cached):
     the least time for a 1-token plus a 6-token forward, where auto takes another dtype than float32 only
     when it saves ``OTHER_DTYPE_SAVING`` of that time. ``dtype`` restricts the choice to that dtype's
-    kernels (packed or not); ``$PIVOTSPEC_CPU_KERNELS`` (plain or packed) pins the kernels without measuring.
-    ``store``: the JSON file of verdicts."""
+    kernels (packed or not); ``$PIVOTSPEC_CPU_KERNELS`` pins the kernels without measuring: plain, packed
+    (oneDNN) or rowwise (float32; where it does not build, float32 plain). ``store``: the JSON file of
+    verdicts."""
     paths = candidates(capabilities(), dtype, has_sliding_window(model.config))
     kernels = os.environ.get("PIVOTSPEC_CPU_KERNELS", "auto")
-    if kernels not in ("auto", "plain", "packed"):
-        raise UsageError(f"PIVOTSPEC_CPU_KERNELS={kernels!r}: use auto, plain or packed")
+    if kernels not in ("auto", "plain", "packed", "rowwise"):
+        raise UsageError(f"PIVOTSPEC_CPU_KERNELS={kernels!r}: use auto, plain, packed or rowwise")
     if kernels != "auto":  # pinned (to compare paths, or to rule the packed kernels out)
-        paths = [p for p in paths if p.packed == (kernels == "packed")] or paths[:1]
+        kind = {"plain": (False, False), "packed": (True, False), "rowwise": (True, True)}[kernels]
+        paths = [p for p in paths if (p.packed, p.rowwise) == kind] or paths[:1]
     if len(paths) == 1 and paths[0].dtype != INT8:
         return paths[0]  # int8's one path is still measured: its exact lone-row widths and row limit
     rule = f"|other dtypes save {OTHER_DTYPE_SAVING}" if len({p.dtype for p in paths}) > 1 else ""
@@ -256,7 +272,7 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
 
         best = min(paths, key=cost)
         best = CpuPath(best.dtype, best.packed, timings[best.label].get("lone_rows", best.lone_rows),
-                       timings[best.label].get("max_rows", best.max_rows))
+                       timings[best.label].get("max_rows", best.max_rows), best.rowwise)
         entry = {"choice": asdict(best), "timings": timings, "model": str(source)}
         cached = {k: v for k, v in cached.items() if present(v.get("model", ""))}
         cached[key] = entry

@@ -8,7 +8,8 @@ the weights in their stored layout on every call and one row of bfloat16 goes th
 freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
 brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
 The same layers may instead hold int8 weights (:func:`quantize`, ``--dtype int8``), computed by PyTorch's
-weight-only int8 kernel: the fast path of CPUs without bfloat16 instructions.
+weight-only int8 kernel, or their float32 weights as stored, computed by the row-wise kernel (``rowwise``):
+the fast paths of CPUs without bfloat16 instructions. ``KERNELS`` names the three.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pivotspec.decoding import rowwise
 from pivotspec.errors import UsageError
 
 LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which are exact and fastest is measured
 LONE_ROWS = 2  # the width before it is measured (and where none is exact): what every earlier number used
 ROW_LIMIT = 256  # the most rows one call may take (more go in chunks); how many are exact is measured below it
 MAX_ROWS = 128  # the limit before it is measured
+KERNELS = ("onednn", "int8", "rowwise")  # what a packed linear computes with (:meth:`PackedCompute.hold`)
 
 
 def weight_product(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -82,18 +85,28 @@ class PackedCompute:
     bias: torch.Tensor | None
     lone_rows: int
     max_rows: int = MAX_ROWS
-    scales: torch.Tensor | None = None  # int8 weights (:func:`quantize`); None: oneDNN-packed
+    kernel: str = "onednn"  # one of KERNELS
+    scales: torch.Tensor | None = None  # int8 weights' row scales (:func:`quantize`)
     _scratch: torch.Tensor | None = None
 
-    def hold(self, weight: torch.Tensor, int8: bool) -> None:
-        """Keep ``weight`` [out, in] as this kernel computes with it: oneDNN-packed, or int8 with row scales."""
-        if int8:
+    def hold(self, weight: torch.Tensor, kernel: str) -> None:
+        """Keep ``weight`` [out, in] as ``kernel`` computes with it: oneDNN-packed (``onednn``), int8 with row
+        scales (``int8``), or float32 as it is, contiguous (``rowwise``, which needs its C kernel built here)."""
+        if kernel not in KERNELS or (kernel == "rowwise" and not rowwise.available()):
+            raise UsageError(f"no {kernel!r} linear kernel here: use one of {', '.join(KERNELS[:2])}")
+        self.kernel = kernel
+        if kernel == "int8":
             self.packed, self.scales = quantize(weight)
+        elif kernel == "rowwise":
+            self.packed = weight.detach().float().contiguous()
         else:
             self.packed = pack(weight)
 
     def product(self, flat: torch.Tensor, lone_rows: int = 1) -> torch.Tensor:
-        """The layer on ``flat``, a lone row computed as ``lone_rows`` rows, in one kernel call."""
+        """The layer on ``flat``, a lone row computed as ``lone_rows`` rows, in one kernel call (the row-wise
+        kernel computes each row alone at any width, so it needs no padding)."""
+        if self.kernel == "rowwise":
+            return rowwise.linear(flat, self.packed, self.bias)
         return packed_linear(flat, self.packed, self.bias, lone_rows, self.scales)
 
     def compute(self, flat: torch.Tensor) -> torch.Tensor:
@@ -113,12 +126,12 @@ class PackedLinear(PackedCompute, nn.Module):
     """``nn.Linear`` whose weight is also held in oneDNN's prepacked layout. The original parameter stays
     (shared, so a lm_head tied to the embeddings stays tied, and fingerprints and state dicts see it)."""
 
-    def __init__(self, linear: nn.Linear, int8: bool = False):
+    def __init__(self, linear: nn.Linear, kernel: str = "onednn"):
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.hold(linear.weight, int8)
+        self.hold(linear.weight, kernel)
         self.lone_rows = LONE_ROWS
 
     @property
@@ -135,10 +148,10 @@ class FusedLinears(PackedCompute):
     SmolLM2-shaped stack took 1.7x the time of the 120 fused ones at one row, the weights being the same bytes.
     The first member called with an input computes every member's output; the others take their slice."""
 
-    def __init__(self, linears: list[nn.Linear], int8: bool = False):
+    def __init__(self, linears: list[nn.Linear], kernel: str = "onednn"):
         self.sizes = [lin.out_features for lin in linears]
         self.in_features, self.dtype = linears[0].in_features, linears[0].weight.dtype
-        self.hold(torch.cat([lin.weight.detach() for lin in linears]), int8)
+        self.hold(torch.cat([lin.weight.detach() for lin in linears]), kernel)
         biases = [lin.bias for lin in linears]
         self.bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
         self.lone_rows = LONE_ROWS
@@ -172,11 +185,12 @@ class FusedMember(nn.Module):
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that read one input in HF models
 
 
-def pack_linears(model: nn.Module, int8: bool = False) -> int:
-    """Replace every ``nn.Linear`` of a CPU model by a packed one (oneDNN-packed, or with ``int8`` weight-only
-    int8, :func:`quantize`), fusing the groups in ``FUSED`` that a module holds (members must agree on input
-    width and on having a bias); returns how many linears were replaced."""
-    if int8:
+def pack_linears(model: nn.Module, kernel: str = "onednn") -> int:
+    """Replace every ``nn.Linear`` of a CPU model by a packed one computed by ``kernel`` (one of ``KERNELS``:
+    oneDNN-packed, weight-only int8 by :func:`quantize`, or the row-wise float32 kernel), fusing the groups in
+    ``FUSED`` that a module holds (members must agree on input width and on having a bias); returns how many
+    linears were replaced."""
+    if kernel == "int8":
         odd = sorted({m.in_features for m in model.modules() if type(m) is nn.Linear and m.in_features % 8})
         if odd:  # the int8 kernel computes wrong numbers (or crashes) on other widths (measured: 12, 20, 36, 50)
             raise UsageError(f"int8 weights need linear input widths that are multiples of 8 (this model has "
@@ -187,14 +201,14 @@ def pack_linears(model: nn.Module, int8: bool = False) -> int:
             linears = [getattr(module, n, None) for n in names]
             if (all(type(lin) is nn.Linear for lin in linears) and len({lin.in_features for lin in linears}) == 1
                     and len({lin.bias is None for lin in linears}) == 1):
-                group = FusedLinears(linears, int8)
+                group = FusedLinears(linears, kernel)
                 for i, (name, lin) in enumerate(zip(names, linears, strict=True)):
                     setattr(module, name, FusedMember(lin, group, i))
                 replaced += len(names)
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod, int8))
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(mod, kernel))
     return replaced + len(targets)
 
 

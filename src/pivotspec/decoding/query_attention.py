@@ -1,6 +1,6 @@
 """Attention in float32 of each query over exactly the keys it sees, all queries of a layer in one call of a
-small C kernel (``query_attention.c``), compiled once per machine with the system's C compiler and run on
-PyTorch's own OpenMP threads.
+small C kernel (``query_attention.c``), compiled once per machine (``compiled``) and run on PyTorch's own
+OpenMP threads.
 
 Why: to keep greedy SD equal to the target alone, and batched rows equal to rows decoded alone, in bfloat16,
 every query must be summed the way the lone decode step sums it (``attention.sdpa_in_float32``). With
@@ -17,56 +17,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
-from pivotspec.decoding.machine import cache_dir, cpu_flags, cpu_name
+from pivotspec.decoding import compiled
 
 SOURCE = Path(__file__).with_suffix(".c")
-# -march=native: built for this CPU (the library's name carries the CPU's flags); -ffp-contract=off: see the source
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp")
 _ARGS = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_int64] * 6
          + [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
-log = logging.getLogger("pivotspec")
-
-
-def library_path(compiler: str) -> Path:
-    """Where the kernel built by ``compiler`` for this CPU lives: keyed by source, flags, compiler and CPU."""
-    ident = "|".join([SOURCE.read_text(), *FLAGS, compiler, cpu_name(), *sorted(cpu_flags())])
-    return cache_dir() / "kernels" / f"query_attention-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.so"
 
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:
-    """The compiled ``attend`` function (built on first use), or None where it cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler found: attention runs one PyTorch call per query")
-        return None
-    path = library_path(compiler)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
-        try:
-            built = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
-                                   text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            log.warning("the attention kernel did not build (%s): attention runs one PyTorch call per query", err)
-            return None
-        if built.returncode != 0:
-            log.warning("the attention kernel did not build (%s): attention runs one PyTorch call per query",
-                        built.stderr.strip()[-500:])
-            return None
-        os.replace(tmp, path)  # atomic: processes building at once each write their own file
-    attend = ctypes.CDLL(str(path)).attend
-    attend.argtypes, attend.restype = _ARGS, ctypes.c_int
-    return attend
+    """The compiled ``attend`` function (built on first use, ``compiled.load``), or None where it cannot be
+    built here: attention then runs one PyTorch call per query."""
+    return compiled.load(SOURCE, "attend", _ARGS)
 
 
 @functools.cache

@@ -1,0 +1,80 @@
+"""The row-wise float32 linear (``decoding/rowwise.c``): it computes the linear, and each row gets the same bits
+whatever shares its call (rows, widths, threads), which is what keeps greedy SD equal to the target alone and
+batched rows equal to rows alone on the path that uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pivotspec.decoding import packing, rowwise
+from pivotspec.decoding.acceptance import PAD, constant_classifier
+from pivotspec.decoding.loop import decode
+from pivotspec.decoding.models import load_lm
+
+pytestmark = pytest.mark.skipif(not rowwise.available(), reason="no C compiler to build the row-wise kernel")
+
+
+@pytest.mark.parametrize("rows,width,outputs,bias", [(7, 70, 100, True), (3, 576, 1536, False), (1, 5, 3, True),
+                                                     (40, 64, 49, False)])
+def test_it_computes_the_linear(rows, width, outputs, bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, width, generator=gen)
+    w = torch.randn(outputs, width, generator=gen)
+    b = torch.randn(outputs, generator=gen) if bias else None
+    got, ref = rowwise.linear(x, w, b), F.linear(x, w, b)
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())  # float32 rounding apart
+    strided = torch.randn(rows, 2 * width, generator=gen)[:, ::2]  # not contiguous: copied first
+    assert torch.equal(rowwise.linear(strided, w, b), rowwise.linear(strided.contiguous(), w, b))
+
+
+def test_each_row_gets_its_bits_whatever_shares_the_call():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 200, generator=gen)  # 200: whole vectors and a tail on every lane width
+    w = torch.randn(301, 200, generator=gen)  # 301: blocks and tiles end part-way
+    b = torch.randn(301, generator=gen)
+    full = rowwise.linear(x, w, b)
+    for start, size in [(0, 1), (5, 1), (49, 1), (0, 2), (3, 3), (7, 4), (10, 6), (11, 13), (0, 49)]:
+        assert torch.equal(rowwise.linear(x[start:start + size], w, b), full[start:start + size]), (start, size)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(rowwise.linear(x, w, b), full)
+        assert torch.equal(rowwise.linear(x[7:8], w, b), full[7:8])
+    finally:
+        torch.set_num_threads(threads)
+    # a weight's rows in another grouping (a fused q/k/v matrix and its members) give each output its bits
+    assert torch.equal(rowwise.linear(x, w[100:250].contiguous(), b[100:250]), full[:, 100:250])
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="float32"):
+        rowwise.linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8), None)
+    with pytest.raises(ValueError, match="float32"):
+        rowwise.linear(torch.randn(2, 9), torch.randn(4, 8), None)
+
+
+def test_greedy_sd_pad_and_batched_rows_equal_the_target_alone_on_rowwise(tiny_dir, monkeypatch):
+    from pivotspec.decoding.batch import Request
+    from tests.test_batch import assert_rows_equal_batch1
+    from tests.test_decoding import prompts
+
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "rowwise")  # pinned: no measurement
+    target = load_lm(str(tiny_dir["llama_target"]), dtype="float32")
+    draft = load_lm(str(tiny_dir["llama_draft"]), dtype="float32")
+    for lm in (target, draft):
+        assert {k.kernel for k in packing.packed_kernels(lm.model)} == {"rowwise"}
+    pad0 = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
+    for ids in ([3, 4, 5], [7, 2, 9, 11, 4, 6], [20]):
+        ar = decode("ar", target, None, ids, max_new_tokens=24, eos_ids=set())
+        sd = decode("sd", target, draft, ids, gamma=5, max_new_tokens=24, eos_ids=set())
+        pd = decode("pad", target, draft, ids, pad0, gamma=5, max_new_tokens=24, eos_ids=set())
+        assert sd.token_ids == ar.token_ids == pd.token_ids
+    jobs = []
+    for i, ids in enumerate(prompts(9, seed=3)):
+        method, policy = [("ar", None), ("sd", None), ("pad", pad0)][i % 3]
+        jobs.append((method, Request(ids, policy=policy, gamma=4, max_new_tokens=6 + 3 * i,
+                                     speculate=method != "ar")))
+    assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
