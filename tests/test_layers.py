@@ -124,7 +124,7 @@ COMPONENT_STUDIES = {
                           {"pivotspec.decoding", "pivotspec.labels", "pivotspec.tasks"}),
     "cpu_forwards.py": ("the CPU kernels themselves: forwards per dtype and packing, llama.cpp beside them",
                         {"pivotspec.decoding.fastpath", "pivotspec.decoding.packing", "pivotspec.decoding.forward",
-                         "pivotspec.decoding.models"}),
+                         "pivotspec.decoding.models", "pivotspec.decoding.rowwise"}),
     "classifier_cv.py": ("the classifier's training internals: out-of-fold AUROC per layer and type",
                          {"pivotspec.classifier", "pivotspec.cli.classifier", "pivotspec.decoding.models",
                           "pivotspec.evaluation.reports"}),

@@ -307,10 +307,11 @@ class LM:
 
 def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None) -> LM:
     """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (on a CPU,
-    the fastest of float32 with plain or packed linears and, where the CPU has bfloat16 instructions and the
-    model no sliding window, packed bfloat16, measured once per machine and model, see ``fastpath``; bfloat16
-    on CUDA; float32 on MPS), ``float32``, ``bfloat16``, ``float16`` or ``int8`` (CPU only: weight-only int8
-    linears, bfloat16 activations, opt-in, never chosen by auto); None reads
+    the fastest of float32 with plain, oneDNN-packed or row-wise linears and, where the CPU has bfloat16
+    instructions and the model no sliding window, packed bfloat16, measured once per machine and model, see
+    ``fastpath``; bfloat16 on CUDA; float32 on MPS), ``float32``, ``bfloat16``, ``float16`` or ``int8`` (CPU
+    only: weight-only int8 linears, float32 activations rounded to bfloat16 for them, opt-in, never chosen by
+    auto); None reads
     ``$PIVOTSPEC_DTYPE``, else auto. Errors are one-line UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -8,7 +8,7 @@ the weights in their stored layout on every call and one row of bfloat16 goes th
 freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
 brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
 The same layers may instead hold int8 weights (:func:`quantize`, ``--dtype int8``), computed by PyTorch's
-weight-only int8 kernel, or their float32 weights as stored, computed by the row-wise kernel (``rowwise``):
+weight-only int8 kernel, or float32 weights in panels, computed by the row-wise kernel (``rowwise``):
 the fast paths of CPUs without bfloat16 instructions. ``KERNELS`` names the three.
 """
 
@@ -86,19 +86,21 @@ class PackedCompute:
     lone_rows: int
     max_rows: int = MAX_ROWS
     kernel: str = "onednn"  # one of KERNELS
+    outputs: int  # the weight's rows (the row-wise kernel's panels are padded past them)
     scales: torch.Tensor | None = None  # int8 weights' row scales (:func:`quantize`)
     _scratch: torch.Tensor | None = None
 
     def hold(self, weight: torch.Tensor, kernel: str) -> None:
         """Keep ``weight`` [out, in] as ``kernel`` computes with it: oneDNN-packed (``onednn``), int8 with row
-        scales (``int8``), or float32 as it is, contiguous (``rowwise``, which needs its C kernel built here)."""
+        scales (``int8``), or float32 in the row-wise kernel's panels (``rowwise``, which needs its C kernel
+        built here)."""
         if kernel not in KERNELS or (kernel == "rowwise" and not rowwise.available()):
             raise UsageError(f"no {kernel!r} linear kernel here: use one of {', '.join(KERNELS[:2])}")
-        self.kernel = kernel
+        self.kernel, self.outputs = kernel, weight.shape[0]
         if kernel == "int8":
             self.packed, self.scales = quantize(weight)
         elif kernel == "rowwise":
-            self.packed = weight.detach().float().contiguous()
+            self.packed = rowwise.pack(weight)
         else:
             self.packed = pack(weight)
 
@@ -106,7 +108,7 @@ class PackedCompute:
         """The layer on ``flat``, a lone row computed as ``lone_rows`` rows, in one kernel call (the row-wise
         kernel computes each row alone at any width, so it needs no padding)."""
         if self.kernel == "rowwise":
-            return rowwise.linear(flat, self.packed, self.bias)
+            return rowwise.linear(flat, self.packed, self.bias, self.outputs)
         return packed_linear(flat, self.packed, self.bias, lone_rows, self.scales)
 
     def compute(self, flat: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,16 @@
-/* out = x @ w.T (+ bias) in float32, each output an order fixed by its row alone.
+/* out = x @ w.T (+ bias) in float32, each output summed in an order fixed by its row alone.
 
-   Every output element is one dot product of a row of x and a row of w: lane l of a vector accumulator sums
-   the products k = l, l + LANES, l + 2 LANES, ... (fused multiply-adds where the CPU has them, written as
-   intrinsics so that they are fused everywhere or nowhere), the lanes are then summed in a fixed tree, the
-   tail of k past the last whole vector added in order, then the bias. How many rows share the call, which
-   tile an element falls in and which thread computes it change nothing, so a row decoded beside others, a
-   token verified beside later ones and a prompt computed in one forward all get the bits the lone decode
-   step gets (pivotspec/decoding/rowwise.py says why the kernel exists).
+   The weights are held in panels of PANEL outputs ([panels][k_len][PANEL], the last panel zero-padded;
+   pivotspec/decoding/rowwise.py packs them). Every output element is one chain of fused multiply-adds over
+   k = 0, 1, ..., k_len - 1 (written as intrinsics where the CPU has FMA, so that they are fused everywhere or
+   nowhere; plain multiply and add elsewhere), then the bias is added. How many rows share the call, which tile
+   an element falls in and which thread computes it change nothing, so a row decoded beside others, a token
+   verified beside later ones and a prompt computed in one forward all get the bits the lone decode step gets.
 
-   Speed: outputs are dealt to threads in blocks of BLOCK weight rows, which stay in cache while every row of
-   x passes over them; inside a block, tiles of 3 rows x 4 outputs (one row: 8 outputs) keep their
-   accumulators in registers. One row reads each weight once: the decode step runs near the read bandwidth. */
+   Speed: panels are dealt to threads in groups of LONE_PANELS. A lone row streams its group's panels once
+   (four panels' accumulators in registers, so that the chains of dependent multiply-adds overlap): the decode
+   step runs near the read bandwidth. More rows go in tiles of TILE_ROWS rows x one panel, the panel staying
+   in cache while every row passes over it. */
 
 #include <stdint.h>
 #include <string.h>
@@ -23,10 +23,10 @@
 #else
 #define LANES 4
 #endif
-#define BLOCK 48
-#define TILE_ROWS 3
-#define TILE_OUTPUTS 4
-#define LONE_OUTPUTS 8
+#define PANEL 16                    /* outputs per panel: must match rowwise.py */
+#define VECTORS (PANEL / LANES)     /* machine vectors per panel row */
+#define TILE_ROWS 6
+#define LONE_PANELS 4
 
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef float vf_unaligned __attribute__((vector_size(4 * LANES), aligned(4), may_alias));
@@ -43,66 +43,64 @@ static inline vf multiply_add(vf acc, vf a, vf b) {
 #endif
 }
 
-static inline float lane_sum(vf x) {  /* a fixed tree over the lanes */
-    float s[LANES];
-    memcpy(s, &x, sizeof s);
-    for (int half = LANES / 2; half > 0; half /= 2)
-        for (int l = 0; l < half; l++) s[l] += s[l + half];
-    return s[0];
-}
-
-/* R rows of x (xs apart) times O rows of w (k_len apart) into out (os apart); R and O are constants where it
-   is inlined, so the accumulators stay in registers. */
+/* R rows of x (xs apart) times P panels from w into out (os apart), storing the first `valid` outputs; R and P
+   are constants where it is inlined, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t xs, const float *w, int64_t k_len,
-                                                       const float *bias, float *out, int64_t os, int R, int O) {
-    vf acc[TILE_ROWS][LONE_OUTPUTS];
+                                                       const float *bias, float *out, int64_t os, int64_t valid,
+                                                       const int R, const int P) {
+    vf acc[TILE_ROWS][LONE_PANELS * VECTORS];
     for (int r = 0; r < R; r++)
-        for (int o = 0; o < O; o++) acc[r][o] = (vf){0};
-    int64_t whole = k_len - k_len % LANES;
-    for (int64_t k = 0; k < whole; k += LANES) {
-        vf wv[LONE_OUTPUTS];
-        for (int o = 0; o < O; o++) wv[o] = load(w + o * k_len + k);
+        for (int j = 0; j < P * VECTORS; j++) acc[r][j] = (vf){0};
+    for (int64_t k = 0; k < k_len; k++) {
+        vf wv[LONE_PANELS * VECTORS];
+        for (int p = 0; p < P; p++)
+            for (int v = 0; v < VECTORS; v++) wv[p * VECTORS + v] = load(w + (p * k_len + k) * PANEL + v * LANES);
         for (int r = 0; r < R; r++) {
-            vf xv = load(x + r * xs + k);
-            for (int o = 0; o < O; o++) acc[r][o] = multiply_add(acc[r][o], xv, wv[o]);
+            vf xk = (vf){0} + x[r * xs + k];
+            for (int j = 0; j < P * VECTORS; j++) acc[r][j] = multiply_add(acc[r][j], xk, wv[j]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int o = 0; o < O; o++) {
-            float s = lane_sum(acc[r][o]);
-            for (int64_t k = whole; k < k_len; k++) s = s + x[r * xs + k] * w[o * k_len + k];
-            if (bias) s = s + bias[o];
-            out[r * os + o] = s;
+        for (int j = 0; j < P * VECTORS; j++) {
+            float s[LANES];
+            memcpy(s, &acc[r][j], sizeof s);
+            for (int l = 0; l < LANES; l++) {
+                int64_t n = j * LANES + l;
+                if (n < valid) out[r * os + n] = bias ? s[l] + bias[n] : s[l];
+            }
         }
 }
 
-#define TILE(R, O) case (R) * 16 + (O): tile(x, xs, w, k_len, bias, out, os, R, O); break
+#define TILE(R, P) case (R) * 16 + (P): tile(x, xs, w, k_len, bias, out, os, valid, R, P); break
 static void any_tile(const float *x, int64_t xs, const float *w, int64_t k_len, const float *bias, float *out,
-                     int64_t os, int rows, int outputs) {
-    switch (rows * 16 + outputs) {
-    TILE(1, 1); TILE(1, 2); TILE(1, 3); TILE(1, 4); TILE(1, 5); TILE(1, 6); TILE(1, 7); TILE(1, 8);
-    TILE(2, 1); TILE(2, 2); TILE(2, 3); TILE(2, 4);
-    TILE(3, 1); TILE(3, 2); TILE(3, 3); TILE(3, 4);
+                     int64_t os, int64_t valid, int rows, int panels) {
+    switch (rows * 16 + panels) {
+    TILE(1, 1); TILE(1, 2); TILE(1, 3); TILE(1, 4);
+    TILE(2, 1); TILE(3, 1); TILE(4, 1); TILE(5, 1); TILE(6, 1);
     }
 }
 
-/* x [rows, k_len] (rows xs apart, each contiguous), w [n, k_len] contiguous, bias [n] or NULL,
+/* x [rows, k_len] (rows xs apart, each contiguous), w packed as above for n outputs, bias [n] or NULL,
    out [rows, n] (rows os apart), on `threads` threads of the OpenMP runtime PyTorch runs on. */
 int linear(const float *x, int64_t rows, int64_t xs, const float *w, int64_t n, int64_t k_len, const float *bias,
            float *out, int64_t os, int threads) {
-    int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    int64_t panels = (n + PANEL - 1) / PANEL, groups = (panels + LONE_PANELS - 1) / LONE_PANELS;
     #pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t first = b * BLOCK, end = first + BLOCK < n ? first + BLOCK : n;
-        for (int64_t r = 0; r < rows;) {
-            int height = rows - r >= TILE_ROWS ? TILE_ROWS : (int)(rows - r);
-            int width = height == 1 ? LONE_OUTPUTS : TILE_OUTPUTS;
-            for (int64_t j = first; j < end; j += width) {
-                int outputs = end - j < width ? (int)(end - j) : width;
-                any_tile(x + r * xs, xs, w + j * k_len, k_len, bias ? bias + j : NULL, out + r * os + j, os,
-                         height, outputs);
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t first = g * LONE_PANELS, end = first + LONE_PANELS < panels ? first + LONE_PANELS : panels;
+        if (rows == 1) {
+            int64_t o = first * PANEL;
+            any_tile(x, xs, w + first * k_len * PANEL, k_len, bias ? bias + o : NULL, out + o, os, n - o, 1,
+                     (int)(end - first));
+            continue;
+        }
+        for (int64_t p = first; p < end; p++) {
+            int64_t o = p * PANEL;
+            for (int64_t r = 0; r < rows; r += TILE_ROWS) {
+                int height = rows - r >= TILE_ROWS ? TILE_ROWS : (int)(rows - r);
+                any_tile(x + r * xs, xs, w + p * k_len * PANEL, k_len, bias ? bias + o : NULL, out + r * os + o,
+                         os, n - o, height, 1);
             }
-            r += height;
         }
     }
     return 0;

@@ -1,15 +1,16 @@
 """A float32 linear that computes each row alone, near the read bandwidth: the CPU fast path's kernel where
 neither PyTorch's nor oneDNN's float32 kernels come close (a small C kernel, ``rowwise.c``, built once per
-machine by ``compiled``).
+machine by ``compiled``, over weights packed once into panels by :func:`pack`).
 
 Why: a decode step reads every weight once, so its floor is the weights' bytes over the read bandwidth. On a
-2-core AMD EPYC with AVX2 only, the testbed target's linears (538 MB) took 43 ms at one row through
-PyTorch's ``F.linear`` (MKL), 33 ms oneDNN-packed and 22 ms here, against 19 ms to read them; at 6 rows (SD's
-verification at gamma 5) 81, 67 and 41 ms (a scratch script, every matrix distinct so that none stays in
-cache). And it keeps the exactness promises by construction rather than by measurement: an output's bits
-depend on its row and the weights alone (``rowwise.c``), so greedy SD equals the target alone and batched rows
-equal rows alone at any number of rows. It is slower than oneDNN from a few dozen rows on (48 rows: 176
-against 146 ms there), so :mod:`fastpath` weighs it by measurement like every other path.
+2-core AMD EPYC with AVX2 only, the testbed target's linears (538 MB, every matrix distinct so that none stays
+in cache; a scratch script, one run) took 16.6 ms at one row here against 28.2 ms oneDNN-packed (PyTorch's
+``F.linear``, MKL, 43 ms in an earlier run), about the 18 ms it takes to read them; at 6 rows (SD's
+verification at gamma 5) 28.8 against 61.9 ms. And it keeps the exactness promises by construction rather than
+by measurement: an output's bits depend on its row and the weights alone (``rowwise.c``), so greedy SD equals
+the target alone and batched rows equal rows alone at any number of rows. From about 50 rows on oneDNN catches
+up (48 rows: 152 against 176 ms; 96 rows: 294 against 258), so :mod:`fastpath` weighs it by measurement like
+every other path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from pivotspec.decoding import compiled
 
 SOURCE = Path(__file__).with_suffix(".c")
+PANEL = 16  # outputs per panel, as rowwise.c's PANEL
 _ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 
@@ -37,17 +39,28 @@ def available() -> bool:
     return kernel() is not None
 
 
-def linear(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``flat @ weight.T + bias`` for a float32 CPU ``flat`` [rows, in] and contiguous ``weight`` [out, in]
-    (and ``bias`` [out]); check :func:`available` first."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] as the kernel reads it: float32 panels [ceil(out / 16), in, 16], each panel the
+    next 16 outputs' weights interleaved by input (the last panel zero-padded)."""
+    outputs, width = weight.shape
+    panels = -(-outputs // PANEL)
+    padded = weight.detach().float().new_zeros((panels * PANEL, width))
+    padded[:outputs] = weight.detach()
+    return padded.reshape(panels, PANEL, width).transpose(1, 2).contiguous()
+
+
+def linear(flat: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, outputs: int) -> torch.Tensor:
+    """``flat @ W.T + bias`` for a float32 CPU ``flat`` [rows, in], ``W`` [outputs, in] packed by :func:`pack`
+    (and ``bias`` [outputs]); check :func:`available` first."""
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows, width = flat.shape
-    if weight.dtype != torch.float32 or flat.dtype != torch.float32 or weight.shape[1] != width:
-        raise ValueError(f"rowwise.linear takes float32 [rows, {weight.shape[1]}] inputs, got {flat.dtype} "
-                         f"{tuple(flat.shape)}")
-    out = torch.empty((rows, weight.shape[0]), dtype=torch.float32)
+    if (flat.dtype != torch.float32 or panels.dtype != torch.float32 or panels.shape[1] != width
+            or panels.shape[0] * PANEL < outputs):
+        raise ValueError(f"rowwise.linear takes float32 [rows, {panels.shape[1]}] inputs and weights packed by "
+                         f"rowwise.pack, got {flat.dtype} {tuple(flat.shape)}")
+    out = torch.empty((rows, outputs), dtype=torch.float32)
     if rows:
-        kernel()(flat.data_ptr(), rows, flat.stride(0), weight.data_ptr(), weight.shape[0], width,
+        kernel()(flat.data_ptr(), rows, flat.stride(0), panels.data_ptr(), outputs, width,
                  None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
     return out
