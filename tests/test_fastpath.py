@@ -240,11 +240,25 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert chosen.count({"dtype": "float32", "packed": True, "lone_rows": 2}) == 2
 
 
-@pytest.mark.parametrize("dtype", [*DTYPES, "int8"])
-def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype, attention):
+ON_ROWWISE = pytest.param("rowwise", marks=pytest.mark.skipif(not ROWWISE, reason="no C compiler for the kernel"))
+
+
+def pinned(path: str, monkeypatch) -> str:
+    """The dtype to load ``path`` with: ``rowwise`` is float32 on the row-wise kernel (pinned), else a dtype."""
+    if path != "rowwise":
+        return path
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "rowwise")
+    return "float32"
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, "int8", ON_ROWWISE])
+def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype, attention, monkeypatch):
+    path, dtype = dtype, pinned(dtype, monkeypatch)
     target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
     draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
     assert target.weights_dtype == draft.weights_dtype == dtype
+    if path == "rowwise":
+        assert {k.kernel for lm in (target, draft) for k in packing.packed_kernels(lm.model)} == {"rowwise"}
     pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     for ids in ([3, 4, 5], [7, 2, 9, 11, 4, 6], [20]):
         ar = decode("ar", target, None, ids, max_new_tokens=24, eos_ids=set())
@@ -371,17 +385,18 @@ def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
     assert key_counts(prefix.float(), 2, 2, 6) is None
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_ROWWISE])
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attention, dtype):
-    """The batched path through the per-query attention on tiny models (bfloat16), and through the int8 rows,
-    rows leaving and joining. Their
+def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attention, dtype, monkeypatch):
+    """The batched path through the per-query attention on tiny models (bfloat16), and through the int8 and
+    the row-wise kernels' rows, rows leaving and joining. Their
     distributions are too peaked for a bfloat16 step to change a token (this passes without the per-query
     attention too); the testbed test below is the one that parts without it."""
     from pivotspec.decoding.batch import Request
     from tests.test_batch import assert_rows_equal_batch1
     from tests.test_decoding import prompts
 
+    path, dtype = dtype, pinned(dtype, monkeypatch)
     target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
     draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
     pad0 = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
@@ -391,7 +406,7 @@ def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attenti
         jobs.append((method, Request(ids, policy=policy, gamma=gamma, max_new_tokens=6 + 3 * i,
                                      speculate=method != "ar")))
     assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
-    assert bool(attention[1]) == (attention[0] == "kernel")
+    assert bool(attention[1]) == (attention[0] == "kernel" and path != "rowwise")  # float32 attends whole
 
 
 @needs_bf16

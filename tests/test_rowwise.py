@@ -1,6 +1,6 @@
 """The row-wise float32 linear (``decoding/rowwise.c``): it computes the linear, and each row gets the same bits
 whatever shares its call (rows, widths, threads), which is what keeps greedy SD equal to the target alone and
-batched rows equal to rows alone on the path that uses it."""
+batched rows equal to rows alone on the path that uses it (decoded on it: ``test_fastpath``'s exactness tests)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pivotspec.decoding import packing, rowwise
-from pivotspec.decoding.acceptance import PAD, constant_classifier
-from pivotspec.decoding.loop import decode
-from pivotspec.decoding.models import load_lm
+from pivotspec.decoding import rowwise
 
 pytestmark = pytest.mark.skipif(not rowwise.available(), reason="no C compiler to build the row-wise kernel")
 
@@ -61,27 +58,3 @@ def test_bad_input_is_refused():
         rowwise.linear(torch.randn(2, 9), panels, None, 4)
     with pytest.raises(ValueError, match="rowwise.pack"):
         rowwise.linear(torch.randn(2, 8), panels, None, 17)
-
-
-def test_greedy_sd_pad_and_batched_rows_equal_the_target_alone_on_rowwise(tiny_dir, monkeypatch):
-    from pivotspec.decoding.batch import Request
-    from tests.test_batch import assert_rows_equal_batch1
-    from tests.test_decoding import prompts
-
-    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "rowwise")  # pinned: no measurement
-    target = load_lm(str(tiny_dir["llama_target"]), dtype="float32")
-    draft = load_lm(str(tiny_dir["llama_draft"]), dtype="float32")
-    for lm in (target, draft):
-        assert {k.kernel for k in packing.packed_kernels(lm.model)} == {"rowwise"}
-    pad0 = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
-    for ids in ([3, 4, 5], [7, 2, 9, 11, 4, 6], [20]):
-        ar = decode("ar", target, None, ids, max_new_tokens=24, eos_ids=set())
-        sd = decode("sd", target, draft, ids, gamma=5, max_new_tokens=24, eos_ids=set())
-        pd = decode("pad", target, draft, ids, pad0, gamma=5, max_new_tokens=24, eos_ids=set())
-        assert sd.token_ids == ar.token_ids == pd.token_ids
-    jobs = []
-    for i, ids in enumerate(prompts(9, seed=3)):
-        method, policy = [("ar", None), ("sd", None), ("pad", pad0)][i % 3]
-        jobs.append((method, Request(ids, policy=policy, gamma=4, max_new_tokens=6 + 3 * i,
-                                     speculate=method != "ar")))
-    assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
