@@ -14,7 +14,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
