@@ -13,6 +13,10 @@ os.environ["PIVOTSPEC_DEVICE"] = os.environ.get("PIVOTSPEC_TEST_DEVICE", "cpu")
 # and in one dtype (default float32) whatever this CPU's fastest path is (load_lm's auto), so a result does
 # not move with the machine; tests of the fast path ask for their dtypes explicitly.
 os.environ["PIVOTSPEC_DTYPE"] = os.environ.get("PIVOTSPEC_TEST_DTYPE", "float32")
+# and on pinned kernels (default the row-wise kernel, float32 plain where it does not build), not measured ones:
+# timings taken beside another worker pick at random, and measuring cost ~50 s a model; tests of the measured
+# choice set PIVOTSPEC_CPU_KERNELS=auto themselves.
+os.environ["PIVOTSPEC_CPU_KERNELS"] = os.environ.get("PIVOTSPEC_TEST_KERNELS", "rowwise")
 # Under pytest-xdist each worker computes with one thread: two workers on two cores, not four threads fighting.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)

@@ -94,6 +94,7 @@ def test_lone_row_widths_found_exact_are_exact_and_a_parting_width_is_refused(dt
 
 
 def test_choose_times_each_exact_lone_width_and_keeps_the_fastest(tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "auto")  # the suite pins kernels (conftest)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
@@ -187,6 +188,7 @@ def test_candidates_follow_the_cpu_and_auto_weighs_bfloat16_only_with_its_instru
 
 
 def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "auto")  # the suite pins kernels (conftest)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
@@ -244,11 +246,10 @@ ON_ROWWISE = pytest.param("rowwise", marks=pytest.mark.skipif(not ROWWISE, reaso
 
 
 def pinned(path: str, monkeypatch) -> str:
-    """The dtype to load ``path`` with: ``rowwise`` is float32 on the row-wise kernel (pinned), else a dtype."""
-    if path != "rowwise":
-        return path
-    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "rowwise")
-    return "float32"
+    """The dtype to load ``path`` with, its kernels pinned: ``rowwise`` is float32 on the row-wise kernel,
+    float32 runs PyTorch's plain kernels, bfloat16 and int8 their packed ones."""
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", {"float32": "plain", "rowwise": "rowwise"}.get(path, "packed"))
+    return "float32" if path == "rowwise" else path
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, "int8", ON_ROWWISE])
@@ -273,6 +274,7 @@ def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtyp
 
 
 def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "auto")  # the suite pins kernels (conftest)
     from pivotspec.labels.walk import model_identity, same_model, same_run
 
     monkeypatch.setenv("PIVOTSPEC_CACHE", str(tmp_path))
@@ -350,12 +352,13 @@ def test_sliding_windows_are_told_apart():
 
 @pytest.mark.slow  # real models
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
-def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8(attention, dtype):
-    if dtype == "int8" and attention[0] == "torch":
-        pytest.skip("int8 runs the attention kernel here; the per-query PyTorch calls are bfloat16's test")
+def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8(attention, dtype, monkeypatch):
     """int8's linears round their inputs to bfloat16, so float32 attention's last-bit differences between a
     query alone and beside others became whole bfloat16 steps there too: with SDPA whole, SD parted from ar on
     the 4th of these problems (an AVX2 AMD EPYC)."""
+    if dtype == "int8" and attention[0] == "torch":
+        pytest.skip("int8 runs the attention kernel here; the per-query PyTorch calls are bfloat16's test")
+    pinned(dtype, monkeypatch)
     from pivotspec import api
     from pivotspec.decoding.models import eos_ids
     from pivotspec.tasks import encode_problem
@@ -364,7 +367,7 @@ def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8
     assert packing.is_packed(pair.target.model)
     task = api.get_task("arith")
     pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
-    for problem in task.problems("validation", 4 if dtype == "bfloat16" else 6):
+    for problem in task.problems("validation", 4):
         ids = encode_problem(pair.target.tokenizer, problem)
         kw = dict(max_new_tokens=64, eos_ids=eos_ids(pair.target))
         ar = decode("ar", pair.target, None, ids, **kw)
@@ -446,9 +449,10 @@ def test_rows_take_a_shared_prefix_and_still_equal_batch1(tiny_dir, attention, m
 
 @pytest.mark.slow  # real models
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
-def test_testbed_batched_rows_equal_batch1_in_bfloat16_and_int8(attention, dtype):
+def test_testbed_batched_rows_equal_batch1_in_bfloat16_and_int8(attention, dtype, monkeypatch):
     if dtype == "int8" and attention[0] == "torch":
         pytest.skip("int8 runs the attention kernel here; the per-query PyTorch calls are bfloat16's test")
+    pinned(dtype, monkeypatch)
     from pivotspec import api
     from pivotspec.decoding.batch import Request
     from pivotspec.decoding.models import eos_ids
