@@ -39,7 +39,7 @@ from pivotspec.decoding.forward import LEAN, is_lean
 PATHS = [CpuPath("float32", False), CpuPath("float32", True),
          *([fastpath.ROWWISE] if rowwise.available() else []), CpuPath("bfloat16", False),
          *([CpuPath("bfloat16", True)] if fastpath.capabilities()["onednn_bf16"] else []),  # oneDNN refuses it
-         CpuPath(fastpath.INT8, True)]
+         CpuPath(fastpath.INT8, True), *([fastpath.INT8_ROWWISE] if rowwise.available() else [])]
 LLAMA = r"""
 import json, sys, time, statistics
 from llama_cpp import Llama

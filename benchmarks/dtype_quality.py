@@ -20,9 +20,11 @@ from pivotspec import api
 PAIRS = ("testbed", "testbed-hard")
 
 
-def run(pair_name: str, dtype: str, n: int, batch: int, out: Path) -> dict[str, dict]:
-    """``ar`` rows of one pair in one dtype, by problem id (read back when the run is already complete)."""
+def run(pair_name: str, dtype: str, n: int, batch: int, results: Path) -> dict[str, dict]:
+    """``ar`` rows of one pair in one dtype, by problem id (read back when the run is already complete), in
+    ``results``/<pair>-<dtype>, or <pair>-int8-rowwise for int8 on the row-wise kernel."""
     pair = api.load_pair(pair=pair_name, dtype=dtype, needs_draft=False)
+    out = results / f"{pair_name}-{pair.target.placement.split(' ', 1)[1].replace(' ', '-')}"
     settings = api.EvalSettings(task=api.pair_task(pair_name), split="test", n=n, seed=0, out=out,
                                 batch_size=batch)
     api.evaluate(pair, settings, methods="ar")
@@ -51,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for pair_name in args.pairs.split(","):
-        runs = {d: run(pair_name, d, args.n, args.batch_size, args.results / f"{pair_name}-{d}")
+        runs = {d: run(pair_name, d, args.n, args.batch_size, args.results)
                 for d in ["float32", *args.dtypes.split(",")]}
         for dtype, got in runs.items():
             rows.append({"pair": pair_name, "dtype": dtype, **compare(runs["float32"], got)})

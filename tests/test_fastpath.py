@@ -242,24 +242,31 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert chosen.count({"dtype": "float32", "packed": True, "lone_rows": 2}) == 2
 
 
-ON_ROWWISE = pytest.param("rowwise", marks=pytest.mark.skipif(not ROWWISE, reason="no C compiler for the kernel"))
+NO_CC = pytest.mark.skipif(not ROWWISE, reason="no C compiler for the kernel")
+ON_ROWWISE = pytest.param("rowwise", marks=NO_CC)
+ON_INT8_ROWWISE = pytest.param("int8-rowwise", marks=NO_CC)
+# path -> (dtype, PIVOTSPEC_CPU_KERNELS): float32 on PyTorch's plain kernels or the row-wise one, int8 on the
+# row-wise kernel; anything else (bfloat16, int8) a dtype on its packed kernels (for int8, PyTorch's)
+PINS = {"float32": ("float32", "plain"), "rowwise": ("float32", "rowwise"), "int8-rowwise": ("int8", "rowwise")}
 
 
 def pinned(path: str, monkeypatch) -> str:
-    """The dtype to load ``path`` with, its kernels pinned: ``rowwise`` is float32 on the row-wise kernel,
-    float32 runs PyTorch's plain kernels, bfloat16 and int8 their packed ones."""
-    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", {"float32": "plain", "rowwise": "rowwise"}.get(path, "packed"))
-    return "float32" if path == "rowwise" else path
+    """The dtype to load ``path`` with, its kernels pinned (``PINS``)."""
+    dtype, kernels = PINS.get(path, (path, "packed"))
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", kernels)
+    return dtype
 
 
-@pytest.mark.parametrize("dtype", [*DTYPES, "int8", ON_ROWWISE])
+@pytest.mark.parametrize("dtype", [*DTYPES, "int8", ON_ROWWISE, ON_INT8_ROWWISE])
 def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype, attention, monkeypatch):
     path, dtype = dtype, pinned(dtype, monkeypatch)
     target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
     draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
     assert target.weights_dtype == draft.weights_dtype == dtype
-    if path == "rowwise":
-        assert {k.kernel for lm in (target, draft) for k in packing.packed_kernels(lm.model)} == {"rowwise"}
+    rowwise_path = path in ("rowwise", "int8-rowwise")
+    if rowwise_path:
+        expected = {"rowwise" if dtype == "float32" else "rowwise-int8"}
+        assert {k.kernel for lm in (target, draft) for k in packing.packed_kernels(lm.model)} == expected
     pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     for ids in ([3, 4, 5], [7, 2, 9, 11, 4, 6], [20]):
         ar = decode("ar", target, None, ids, max_new_tokens=24, eos_ids=set())
@@ -267,7 +274,8 @@ def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtyp
         pd = decode("pad", target, draft, ids, pad, gamma=5, max_new_tokens=24, eos_ids=set())
         assert sd.token_ids == ar.token_ids == pd.token_ids
     name, calls = attention
-    assert bool(calls) == (dtype != "float32" and name == "kernel")  # float32 models attend with SDPA whole
+    # float32 inputs (float32 models, int8 on the row-wise kernel) attend with SDPA whole
+    assert bool(calls) == (dtype != "float32" and name == "kernel" and not rowwise_path)
     if dtype == "int8":  # int8 weights, not float32's rounded: what it computes is its own
         assert packing.is_packed(target.model) and all(k.scales is not None for k in packing.packed_kernels(
             target.model))
@@ -298,35 +306,46 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     assert identity_diff({"target": a}, {"target": {**a, "weights": "other"}}) == ["target"]
 
 
-def int8_linear(in_features: int, out_features: int, bias: bool = False) -> tuple[nn.Linear, PackedLinear]:
+INT8_KERNELS = ["int8", pytest.param("rowwise-int8", marks=NO_CC)]
+
+
+def int8_linear(in_features: int, out_features: int, bias: bool = False,
+                kernel: str = "int8") -> tuple[nn.Linear, PackedLinear]:
     torch.manual_seed(2)
     lin = nn.Linear(in_features, out_features, bias=bias)
-    return lin, PackedLinear(lin, "int8")
+    return lin, PackedLinear(lin, kernel)
 
 
-def test_int8_linear_computes_the_plain_linear_within_its_rounding():
-    lin, packed = int8_linear(64, 96, bias=True)
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_linear_computes_the_plain_linear_within_its_rounding(kernel):
+    lin, packed = int8_linear(64, 96, bias=True, kernel=kernel)
     assert packed.scales is not None and packed.packed.dtype == torch.int8 and packed.weight is lin.weight
     x = torch.randn(2, 5, 64)
     with torch.inference_mode():
         ref, got = lin(x), packed(x)
     assert got.shape == ref.shape and got.dtype == torch.float32
-    # weights rounded to 1/254 of each row's largest, inputs to bfloat16's 8 bits: about 1% of the largest output
+    # weights rounded to 1/254 of each row's largest (and PyTorch's kernel rounds the inputs to bfloat16's 8
+    # bits): about 1% of the largest output at most
     err = (got - ref).abs().max() / ref.abs().max()
     assert 1e-5 < err < 3e-2  # not float32's numbers (it is quantized), and close to them
+    if kernel == "rowwise-int8":  # the int8 weights times their scales on float32 inputs, to float32's rounding
+        q = packed.packed.transpose(1, 2).reshape(-1, 64)[:96].float()
+        assert torch.allclose(got, x @ (q * packed.scales[:, None]).T + lin.bias, atol=1e-5, rtol=1e-5)
+        assert torch.equal(int8_linear(64, 96, bias=True)[1].scales.float(), packed.scales)  # PyTorch kernel's
 
 
-def test_int8_rows_are_computed_each_alone_at_any_block_size():
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_rows_are_computed_each_alone_at_any_block_size(kernel):
     """What keeps greedy SD equal to ar and batched rows equal to rows alone in int8: every row gets the same
     bits at any block size, and the fast path measures it (a lone row needs no padding, no row limit)."""
-    _, packed = int8_linear(576, 1536)
+    _, packed = int8_linear(576, 1536, kernel=kernel)
     x = torch.randn(40, 576)
     with torch.inference_mode():
         alone = torch.cat([packed.product(x[i:i + 1]) for i in range(40)])
         for m in (2, 4, 5, 6, 17, 40):
             assert torch.equal(packed.product(x[:m]), alone[:m])
     model = nn.Sequential(nn.Linear(64, 32))
-    pack_linears(model, "int8")
+    pack_linears(model, kernel)
     assert packing.exact_lone_widths(model) == [1, 2, 4] and packing.exact_row_limit(model, top=64) == 64
 
 
@@ -337,6 +356,11 @@ def test_int8_refuses_input_widths_its_kernel_gets_wrong():
     with pytest.raises(UsageError, match="multiples of 8 .*has 12.*--dtype bfloat16 or float32"):
         pack_linears(model, "int8")
     assert type(model[0]) is nn.Linear  # refused before any layer was replaced
+    if ROWWISE:  # the row-wise kernel takes any width
+        pack_linears(model, "rowwise-int8")
+        x = torch.randn(3, 64)
+        with torch.inference_mode():
+            assert model(x).shape == (3, 8)
 
 
 def test_sliding_windows_are_told_apart():
@@ -351,14 +375,15 @@ def test_sliding_windows_are_told_apart():
 
 
 @pytest.mark.slow  # real models
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_INT8_ROWWISE])
 def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8(attention, dtype, monkeypatch):
-    """int8's linears round their inputs to bfloat16, so float32 attention's last-bit differences between a
-    query alone and beside others became whole bfloat16 steps there too: with SDPA whole, SD parted from ar on
-    the 4th of these problems (an AVX2 AMD EPYC)."""
-    if dtype == "int8" and attention[0] == "torch":
-        pytest.skip("int8 runs the attention kernel here; the per-query PyTorch calls are bfloat16's test")
-    pinned(dtype, monkeypatch)
+    """PyTorch's int8 kernel rounds the linears' inputs to bfloat16, so float32 attention's last-bit differences
+    between a query alone and beside others became whole bfloat16 steps there too: with SDPA whole, SD parted
+    from ar on the 4th of these problems (an AVX2 AMD EPYC). The row-wise int8 kernel keeps them float32 and
+    attends whole."""
+    if dtype.startswith("int8") and attention[0] == "torch":
+        pytest.skip("int8 runs the attention kernel here or none; the per-query PyTorch calls are bfloat16's test")
+    path, dtype = dtype, pinned(dtype, monkeypatch)
     from pivotspec import api
     from pivotspec.decoding.models import eos_ids
     from pivotspec.tasks import encode_problem
@@ -373,7 +398,7 @@ def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8
         ar = decode("ar", pair.target, None, ids, **kw)
         assert decode("sd", pair.target, pair.draft, ids, gamma=5, **kw).token_ids == ar.token_ids
         assert decode("pad", pair.target, pair.draft, ids, pad, gamma=5, **kw).token_ids == ar.token_ids
-    assert bool(attention[1]) == (attention[0] == "kernel")
+    assert bool(attention[1]) == (attention[0] == "kernel" and path != "int8-rowwise")
 
 
 def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
@@ -388,7 +413,7 @@ def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
     assert key_counts(prefix.float(), 2, 2, 6) is None
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_ROWWISE])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_ROWWISE, ON_INT8_ROWWISE])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attention, dtype, monkeypatch):
     """The batched path through the per-query attention on tiny models (bfloat16), and through the int8 and
@@ -409,7 +434,8 @@ def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attenti
         jobs.append((method, Request(ids, policy=policy, gamma=gamma, max_new_tokens=6 + 3 * i,
                                      speculate=method != "ar")))
     assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
-    assert bool(attention[1]) == (attention[0] == "kernel" and path != "rowwise")  # float32 attends whole
+    # float32 inputs (float32, int8 on the row-wise kernel) attend whole
+    assert bool(attention[1]) == (attention[0] == "kernel" and "rowwise" not in path)
 
 
 @needs_bf16

@@ -54,13 +54,15 @@ from pivotspec.errors import UsageError
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight-only int8 (``packing.quantize``), opt-in only: its weights are not the checkpoint's, so its tokens and
-# accuracy are its own (README, "CPU forwards"). Everything else stays float32 (the linears' inputs are rounded
-# to bfloat16 for the kernel): on a 2-core AVX2 AMD EPYC the testbed target's 1-token forward took 23-25 ms so
-# in a scratch A/B, against 37 ms with every activation in bfloat16, which that CPU computes without bfloat16
-# instructions (benchmarks/cpu_forwards.py, another run: 28.0 ms against float32's 56.0). It
-# attends per query as bfloat16 does (``attention_in_float32``): float32 SDPA sums a query beside others in
-# another order, about 1e-7 apart, and the rounding to bfloat16 before the next linear turned that into a
-# whole bfloat16 step; greedy SD parted from ar on 1 of 6 testbed problems before.
+# accuracy are its own (README, "CPU forwards"). Everything else stays float32. Its kernel is the row-wise one
+# over int8 panels where that builds (``INT8_ROWWISE``: float32 inputs, each row alone), else PyTorch's, which
+# rounds the linears' inputs to bfloat16 (on a 2-core AVX2 AMD EPYC the testbed target's 1-token forward took
+# 23-25 ms so in a scratch A/B, against 37 ms with every activation in bfloat16, which that CPU computes
+# without bfloat16 instructions). The two compute other numbers, so they are never timed against each other:
+# ``PIVOTSPEC_CPU_KERNELS=packed`` pins PyTorch's. On PyTorch's, a model attends per query as bfloat16 does
+# (``attention_in_float32``): float32 SDPA sums a query beside others in another order, about 1e-7 apart, and
+# the rounding to bfloat16 before the next linear turned that into a whole bfloat16 step; greedy SD parted
+# from ar on 1 of 6 testbed problems before.
 INT8 = "int8"
 DTYPES = (*FLOAT_DTYPES, INT8)
 CACHE_FILE = "fastpath.json"
@@ -87,9 +89,9 @@ def capabilities() -> dict[str, Any]:
 @dataclass(frozen=True)
 class CpuPath:
     """One way to run a model on the CPU: weight dtype, whether its linears are packed ones
-    (``packing.PackedCompute``) and, for those, their kernel (oneDNN, or for float32 the row-wise kernel;
-    int8 weights have their own), how many rows a lone row is computed as and how many one call takes at
-    most."""
+    (``packing.PackedCompute``) and, for those, their kernel (oneDNN or the row-wise kernel; int8 weights the
+    row-wise kernel or PyTorch's int8 one), how many rows a lone row is computed as and how many one call
+    takes at most."""
 
     dtype: str
     packed: bool
@@ -100,7 +102,9 @@ class CpuPath:
     @property
     def kernel(self) -> str:
         """The packed linears' kernel (``packing.KERNELS``)."""
-        return INT8 if self.dtype == INT8 else "rowwise" if self.rowwise else "onednn"
+        if self.dtype == INT8:
+            return "rowwise-int8" if self.rowwise else INT8
+        return "rowwise" if self.rowwise else "onednn"
 
     @property
     def label(self) -> str:
@@ -108,6 +112,7 @@ class CpuPath:
 
 
 ROWWISE = CpuPath("float32", True, lone_rows=1, max_rows=ROW_LIMIT, rowwise=True)  # exact at any width
+INT8_ROWWISE = CpuPath(INT8, True, lone_rows=1, max_rows=ROW_LIMIT, rowwise=True)
 
 
 def native_bf16(caps: dict[str, Any]) -> bool:
@@ -129,9 +134,10 @@ def candidates(caps: dict[str, Any], dtype: str | None = None, sliding: bool = F
     exactness promises within its dtype; its accuracy and the shipped classifiers' AUROC were checked against
     float32, README). Float32 also gets the row-wise kernel where it builds here (``rowwise``). An asked-for
     dtype gets its own kernels, packed where oneDNN has them for it (bfloat16 natively only with
-    AVX512-BF16/AMX); ``int8`` only its packed path, which any CPU runs."""
+    AVX512-BF16/AMX); ``int8`` the row-wise kernel where it builds, then PyTorch's, which any CPU runs (the
+    first is taken: see ``INT8``)."""
     if dtype == INT8:
-        return [CpuPath(INT8, True)]
+        return [*([INT8_ROWWISE] if rowwise.available() else []), CpuPath(INT8, True)]
     float32 = [CpuPath("float32", False), CpuPath("float32", True), *([ROWWISE] if rowwise.available() else [])]
     if dtype is None:
         return float32 + ([CpuPath("bfloat16", True)] if native_bf16(caps) and not sliding else [])
@@ -190,7 +196,7 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked, giving a plain Llama the lean
     forward over them, packed or not (``forward.make_lean``)."""
     model.to(activation_dtype(path.dtype))
-    if path.dtype != "float32":  # int8 too: its linears round their inputs to bfloat16, see INT8
+    if path.dtype != "float32" and not path.rowwise:  # PyTorch's int8 kernel too: it rounds to bfloat16 (INT8)
         attention_in_float32(model)
     if path.packed:
         pack_linears(model, path.kernel)
@@ -240,8 +246,8 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
     the least time for a 1-token plus a 6-token forward, where auto takes another dtype than float32 only
     when it saves ``OTHER_DTYPE_SAVING`` of that time. ``dtype`` restricts the choice to that dtype's
     kernels (packed or not); ``$PIVOTSPEC_CPU_KERNELS`` pins the kernels without measuring: plain, packed
-    (oneDNN) or rowwise (float32; where it does not build, float32 plain). ``store``: the JSON file of
-    verdicts."""
+    (oneDNN; for int8 PyTorch's int8 kernel) or rowwise (float32 or int8; where it does not build, the
+    dtype's first candidate). ``store``: the JSON file of verdicts."""
     paths = candidates(capabilities(), dtype, has_sliding_window(model.config))
     kernels = os.environ.get("PIVOTSPEC_CPU_KERNELS", "auto")
     if kernels not in ("auto", "plain", "packed", "rowwise"):
@@ -249,8 +255,10 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
     if kernels != "auto":  # pinned (to compare paths, or to rule the packed kernels out)
         kind = {"plain": (False, False), "packed": (True, False), "rowwise": (True, True)}[kernels]
         paths = [p for p in paths if (p.packed, p.rowwise) == kind] or paths[:1]
-    if len(paths) == 1 and paths[0].dtype != INT8:
-        return paths[0]  # int8's one path is still measured: its exact lone-row widths and row limit
+    if paths[0].dtype == INT8:
+        paths = paths[:1]  # int8's kernels compute other numbers: never timed against each other (``INT8``)
+    if len(paths) == 1 and (paths[0].dtype != INT8 or paths[0].rowwise):
+        return paths[0]  # PyTorch's int8 kernel is still measured: its exact lone-row widths and row limit
     rule = f"|other dtypes save {OTHER_DTYPE_SAVING}" if len({p.dtype for p in paths}) > 1 else ""
     # "lean": packed paths run the lean Llama forward (``forward``), so verdicts timed before it are timed again
     # "row limit": verdicts before the row limit was measured (``packing.exact_row_limit``) are measured again

@@ -24,7 +24,7 @@ import torch
 
 from pivotspec.decoding.forward import cache_keyword, model_forward
 from pivotspec.decoding.machine import cache_dir
-from pivotspec.decoding.packing import weights_dtype
+from pivotspec.decoding.packing import int8_on_rowwise, weights_dtype
 from pivotspec.decoding.sampling import argmax
 from pivotspec.errors import UsageError
 from pivotspec.store import content_digest
@@ -208,6 +208,12 @@ class LM:
         return weights_dtype(self.model)
 
     @property
+    def placement(self) -> str:
+        """Device and dtype, as runs record them ("cpu float32", "cuda bfloat16"); int8 on the row-wise kernel
+        is "cpu int8 rowwise": its inputs stay float32 where PyTorch's int8 kernel ("cpu int8") rounds them."""
+        return f"{self.device.type} {self.weights_dtype}{' rowwise' * int8_on_rowwise(self.model)}"
+
+    @property
     def num_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
 
@@ -310,8 +316,8 @@ def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None,
     the fastest of float32 with plain, oneDNN-packed or row-wise linears and, where the CPU has bfloat16
     instructions and the model no sliding window, packed bfloat16, measured once per machine and model, see
     ``fastpath``; bfloat16 on CUDA; float32 on MPS), ``float32``, ``bfloat16``, ``float16`` or ``int8`` (CPU
-    only: weight-only int8 linears, float32 activations rounded to bfloat16 for them, opt-in, never chosen by
-    auto); None reads
+    only: weight-only int8 linears on float32 activations, in the row-wise kernel, or PyTorch's int8 kernel,
+    which rounds them to bfloat16, where that does not build; opt-in, never chosen by auto); None reads
     ``$PIVOTSPEC_DTYPE``, else auto. Errors are one-line UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

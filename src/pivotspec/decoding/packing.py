@@ -7,9 +7,10 @@ the weights in their stored layout on every call and one row of bfloat16 goes th
 :class:`PackedLinear` reorders each weight once into oneDNN's blocked layout (what ``torch.compile``'s
 freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloat16 and float32 alike, and
 brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
-The same layers may instead hold int8 weights (:func:`quantize`, ``--dtype int8``), computed by PyTorch's
-weight-only int8 kernel, or float32 weights in panels, computed by the row-wise kernel (``rowwise``):
-the fast paths of CPUs without bfloat16 instructions. ``KERNELS`` names the three.
+The same layers may instead hold int8 weights (:func:`quantize`, ``--dtype int8``), or float32 weights, in
+panels computed by the row-wise kernel (``rowwise``), or int8 weights computed by PyTorch's weight-only int8
+kernel where that kernel does not build: the fast paths of CPUs without bfloat16 instructions. ``KERNELS``
+names the four.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ LONE_WIDTHS = (1, 2, 4)  # how many rows a lone row may be computed as; which ar
 LONE_ROWS = 2  # the width before it is measured (and where none is exact): what every earlier number used
 ROW_LIMIT = 256  # the most rows one call may take (more go in chunks); how many are exact is measured below it
 MAX_ROWS = 128  # the limit before it is measured
-KERNELS = ("onednn", "int8", "rowwise")  # what a packed linear computes with (:meth:`PackedCompute.hold`)
+# what a packed linear computes with (:meth:`PackedCompute.hold`): oneDNN, PyTorch's int8 kernel, the row-wise
+# kernel over float32 or over int8 weights
+KERNELS = ("onednn", "int8", "rowwise", "rowwise-int8")
 
 
 def weight_product(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -87,18 +90,21 @@ class PackedCompute:
     max_rows: int = MAX_ROWS
     kernel: str = "onednn"  # one of KERNELS
     outputs: int  # the weight's rows (the row-wise kernel's panels are padded past them)
-    scales: torch.Tensor | None = None  # int8 weights' row scales (:func:`quantize`)
+    scales: torch.Tensor | None = None  # int8 weights' row scales (:func:`quantize`; float32 for rowwise-int8)
     _scratch: torch.Tensor | None = None
 
     def hold(self, weight: torch.Tensor, kernel: str) -> None:
         """Keep ``weight`` [out, in] as ``kernel`` computes with it: oneDNN-packed (``onednn``), int8 with row
-        scales (``int8``), or float32 in the row-wise kernel's panels (``rowwise``, which needs its C kernel
-        built here)."""
-        if kernel not in KERNELS or (kernel == "rowwise" and not rowwise.available()):
+        scales (``int8``), or in the row-wise kernel's panels, float32 (``rowwise``) or int8 with row scales
+        (``rowwise-int8``; both need the C kernel built here). Both int8 kernels hold the same int8 weights and
+        scales (:func:`quantize`): PyTorch's rounds the inputs to bfloat16, the row-wise one keeps them float32."""
+        if kernel not in KERNELS or (kernel.startswith("rowwise") and not rowwise.available()):
             raise UsageError(f"no {kernel!r} linear kernel here: use one of {', '.join(KERNELS[:2])}")
         self.kernel, self.outputs = kernel, weight.shape[0]
-        if kernel == "int8":
+        if kernel in ("int8", "rowwise-int8"):
             self.packed, self.scales = quantize(weight)
+            if kernel == "rowwise-int8":
+                self.packed, self.scales = rowwise.pack(self.packed), self.scales.float()
         elif kernel == "rowwise":
             self.packed = rowwise.pack(weight)
         else:
@@ -107,8 +113,8 @@ class PackedCompute:
     def product(self, flat: torch.Tensor, lone_rows: int = 1) -> torch.Tensor:
         """The layer on ``flat``, a lone row computed as ``lone_rows`` rows, in one kernel call (the row-wise
         kernel computes each row alone at any width, so it needs no padding)."""
-        if self.kernel == "rowwise":
-            return rowwise.linear(flat, self.packed, self.bias, self.outputs)
+        if self.kernel.startswith("rowwise"):
+            return rowwise.linear(flat, self.packed, self.bias, self.outputs, self.scales)
         return packed_linear(flat, self.packed, self.bias, lone_rows, self.scales)
 
     def compute(self, flat: torch.Tensor) -> torch.Tensor:
@@ -189,7 +195,7 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # names that
 
 def pack_linears(model: nn.Module, kernel: str = "onednn") -> int:
     """Replace every ``nn.Linear`` of a CPU model by a packed one computed by ``kernel`` (one of ``KERNELS``:
-    oneDNN-packed, weight-only int8 by :func:`quantize`, or the row-wise float32 kernel), fusing the groups in
+    oneDNN-packed, weight-only int8 by :func:`quantize`, or the row-wise kernel), fusing the groups in
     ``FUSED`` that a module holds (members must agree on input width and on having a bias); returns how many
     linears were replaced."""
     if kernel == "int8":
@@ -224,6 +230,12 @@ def weights_dtype(model: nn.Module) -> str:
     if any(k.scales is not None for k in packed_kernels(model)):
         return "int8"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def int8_on_rowwise(model: nn.Module) -> bool:
+    """Whether ``model``'s int8 linears run on the row-wise kernel (float32 inputs) rather than PyTorch's
+    (inputs rounded to bfloat16): the same int8 weights, other numbers, so runs record which."""
+    return any(k.kernel == "rowwise-int8" for k in packed_kernels(model))
 
 
 def kernel_of(linear: nn.Module) -> PackedLinear | FusedLinears:

@@ -1,9 +1,11 @@
 /* out = x @ w.T (+ bias) in float32, each output summed in an order fixed by its row alone.
 
    The weights are held in panels of PANEL outputs ([panels][k_len][PANEL], the last panel zero-padded;
-   pivotspec/decoding/rowwise.py packs them). Every output element is one chain of fused multiply-adds over
-   k = 0, 1, ..., k_len - 1 (written as intrinsics where the CPU has FMA, so that they are fused everywhere or
-   nowhere; plain multiply and add elsewhere), then the bias is added. How many rows share the call, which tile
+   pivotspec/decoding/rowwise.py packs them), as float32 (`linear`) or as int8 with one float32 scale per output
+   (`linear_int8`: each int8 weight converted to float32, exactly, as it is read; the sum times the scale at
+   the end). Every output element is one chain of fused multiply-adds over k = 0, 1, ..., k_len - 1 (written as
+   intrinsics where the CPU has FMA, so that they are fused everywhere or nowhere; plain multiply and add
+   elsewhere), then scaled (int8) and the bias added. How many rows share the call, which tile
    an element falls in and which thread computes it change nothing, so a row decoded beside others, a token
    verified beside later ones and a prompt computed in one forward all get the bits the lone decode step gets.
 
@@ -33,7 +35,22 @@
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef float vf_unaligned __attribute__((vector_size(4 * LANES), aligned(4), may_alias));
 
+typedef int8_t vb __attribute__((vector_size(LANES)));
+
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+
+/* LANES int8 weights as float32 (exact: every int8 is a float32) */
+static inline vf load_int8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vb b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, vf);
+#endif
+}
 
 static inline vf multiply_add(vf acc, vf a, vf b) {
 #if defined(__AVX512F__)
@@ -45,18 +62,22 @@ static inline vf multiply_add(vf acc, vf a, vf b) {
 #endif
 }
 
-/* R rows of x (xs apart) times P panels from w into out (os apart), storing the first `valid` outputs; R and P
-   are constants where it is inlined, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t xs, const float *w, int64_t k_len,
-                                                       const float *bias, float *out, int64_t os, int64_t valid,
-                                                       const int R, const int P) {
+/* R rows of x (xs apart) times P panels from w (float32, or int8 where Q) into out (os apart), storing the first
+   `valid` outputs; R, P and Q are constants where it is inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t xs, const void *w, int64_t k_len,
+                                                       const float *scales, const float *bias, float *out,
+                                                       int64_t os, int64_t valid, const int R, const int P,
+                                                       const int Q) {
     vf acc[TILE_ROWS][LONE_PANELS * VECTORS];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < P * VECTORS; j++) acc[r][j] = (vf){0};
     for (int64_t k = 0; k < k_len; k++) {
         vf wv[LONE_PANELS * VECTORS];
         for (int p = 0; p < P; p++)
-            for (int v = 0; v < VECTORS; v++) wv[p * VECTORS + v] = load(w + (p * k_len + k) * PANEL + v * LANES);
+            for (int v = 0; v < VECTORS; v++) {
+                int64_t at = (p * k_len + k) * PANEL + v * LANES;
+                wv[p * VECTORS + v] = Q ? load_int8((const int8_t *)w + at) : load((const float *)w + at);
+            }
         for (int r = 0; r < R; r++) {
             vf xk = (vf){0} + x[r * xs + k];
             for (int j = 0; j < P * VECTORS; j++) acc[r][j] = multiply_add(acc[r][j], xk, wv[j]);
@@ -68,42 +89,60 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
             memcpy(s, &acc[r][j], sizeof s);
             for (int l = 0; l < LANES; l++) {
                 int64_t n = j * LANES + l;
-                if (n < valid) out[r * os + n] = bias ? s[l] + bias[n] : s[l];
+                if (n >= valid) continue;
+                float value = Q ? s[l] * scales[n] : s[l];
+                out[r * os + n] = bias ? value + bias[n] : value;
             }
         }
 }
 
-#define TILE(R, P) case (R) * 16 + (P): tile(x, xs, w, k_len, bias, out, os, valid, R, P); break
-static void any_tile(const float *x, int64_t xs, const float *w, int64_t k_len, const float *bias, float *out,
-                     int64_t os, int64_t valid, int rows, int panels) {
-    switch (rows * 16 + panels) {
-    TILE(1, 1); TILE(1, 2); TILE(1, 3); TILE(1, 4);
-    TILE(2, 1); TILE(3, 1); TILE(4, 1); TILE(5, 1); TILE(6, 1);
+#define TILE(R, P, Q) \
+    case ((R) * 16 + (P)) * 2 + (Q): tile(x, xs, w, k_len, scales, bias, out, os, valid, R, P, Q); break
+static void any_tile(const float *x, int64_t xs, const void *w, int64_t k_len, const float *scales,
+                     const float *bias, float *out, int64_t os, int64_t valid, int rows, int panels, int q) {
+    switch ((rows * 16 + panels) * 2 + q) {
+    TILE(1, 1, 0); TILE(1, 2, 0); TILE(1, 3, 0); TILE(1, 4, 0);
+    TILE(2, 1, 0); TILE(3, 1, 0); TILE(4, 1, 0); TILE(5, 1, 0); TILE(6, 1, 0);
+    TILE(1, 1, 1); TILE(1, 2, 1); TILE(1, 3, 1); TILE(1, 4, 1);
+    TILE(2, 1, 1); TILE(3, 1, 1); TILE(4, 1, 1); TILE(5, 1, 1); TILE(6, 1, 1);
     }
 }
 
-/* x [rows, k_len] (rows xs apart, each contiguous), w packed as above for n outputs, bias [n] or NULL,
-   out [rows, n] (rows os apart), on `threads` threads of the OpenMP runtime PyTorch runs on. */
-int linear(const float *x, int64_t rows, int64_t xs, const float *w, int64_t n, int64_t k_len, const float *bias,
-           float *out, int64_t os, int threads) {
+static int run(const float *x, int64_t rows, int64_t xs, const void *w, int64_t n, int64_t k_len,
+               const float *scales, const float *bias, float *out, int64_t os, int threads, int q) {
     int64_t panels = (n + PANEL - 1) / PANEL, groups = (panels + LONE_PANELS - 1) / LONE_PANELS;
+    const char *bytes = (const char *)w;
+    int64_t size = q ? 1 : (int64_t)sizeof(float), panel_bytes = k_len * PANEL * size;
     #pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1)
     for (int64_t g = 0; g < groups; g++) {
         int64_t first = g * LONE_PANELS, end = first + LONE_PANELS < panels ? first + LONE_PANELS : panels;
         if (rows == 1) {
             int64_t o = first * PANEL;
-            any_tile(x, xs, w + first * k_len * PANEL, k_len, bias ? bias + o : NULL, out + o, os, n - o, 1,
-                     (int)(end - first));
+            any_tile(x, xs, bytes + first * panel_bytes, k_len, scales ? scales + o : NULL, bias ? bias + o : NULL,
+                     out + o, os, n - o, 1, (int)(end - first), q);
             continue;
         }
         for (int64_t p = first; p < end; p++) {
             int64_t o = p * PANEL;
             for (int64_t r = 0; r < rows; r += TILE_ROWS) {
                 int height = rows - r >= TILE_ROWS ? TILE_ROWS : (int)(rows - r);
-                any_tile(x + r * xs, xs, w + p * k_len * PANEL, k_len, bias ? bias + o : NULL, out + r * os + o,
-                         os, n - o, height, 1);
+                any_tile(x + r * xs, xs, bytes + p * panel_bytes, k_len, scales ? scales + o : NULL,
+                         bias ? bias + o : NULL, out + r * os + o, os, n - o, height, 1, q);
             }
         }
     }
     return 0;
+}
+
+/* x [rows, k_len] (rows xs apart, each contiguous), w packed as above for n outputs, bias [n] or NULL,
+   out [rows, n] (rows os apart), on `threads` threads of the OpenMP runtime PyTorch runs on. */
+int linear(const float *x, int64_t rows, int64_t xs, const float *w, int64_t n, int64_t k_len, const float *bias,
+           float *out, int64_t os, int threads) {
+    return run(x, rows, xs, w, n, k_len, NULL, bias, out, os, threads, 0);
+}
+
+/* The same over int8 panels, output n of each row scaled by scales[n] before its bias. */
+int linear_int8(const float *x, int64_t rows, int64_t xs, const int8_t *w, int64_t n, int64_t k_len,
+                const float *scales, const float *bias, float *out, int64_t os, int threads) {
+    return run(x, rows, xs, w, n, k_len, scales, bias, out, os, threads, 1);
 }

@@ -25,14 +25,17 @@ from pivotspec.decoding import compiled
 
 SOURCE = Path(__file__).with_suffix(".c")
 PANEL = 16  # outputs per panel, as rowwise.c's PANEL
-_ARGS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+# x, rows, x's row stride, panels, outputs, width, [scales,] bias, out, out's row stride, threads
+_ARGS = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, ctypes.c_int]
+_INT8_ARGS = [*_ARGS[:6], _POINTER, *_ARGS[6:]]
 
 
 @functools.cache
-def kernel() -> ctypes._CFuncPtr | None:
-    """The compiled ``linear`` function (built on first use), or None where it cannot be built here."""
-    return compiled.load(SOURCE, "linear", _ARGS)
+def kernel(symbol: str = "linear") -> ctypes._CFuncPtr | None:
+    """The compiled ``linear`` (float32 panels) or ``linear_int8`` function (built on first use), or None
+    where it cannot be built here."""
+    return compiled.load(SOURCE, symbol, _INT8_ARGS if symbol == "linear_int8" else _ARGS)
 
 
 def available() -> bool:
@@ -40,27 +43,36 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] as the kernel reads it: float32 panels [ceil(out / 16), in, 16], each panel the
-    next 16 outputs' weights interleaved by input (the last panel zero-padded)."""
+    """``weight`` [out, in] as the kernel reads it: panels [ceil(out / 16), in, 16], each panel the next 16
+    outputs' weights interleaved by input (the last panel zero-padded), float32, or int8 for int8 weights."""
     outputs, width = weight.shape
     panels = -(-outputs // PANEL)
-    padded = weight.detach().float().new_zeros((panels * PANEL, width))
+    dtype = torch.int8 if weight.dtype == torch.int8 else torch.float32
+    padded = weight.detach().new_zeros((panels * PANEL, width), dtype=dtype)
     padded[:outputs] = weight.detach()
     return padded.reshape(panels, PANEL, width).transpose(1, 2).contiguous()
 
 
-def linear(flat: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, outputs: int) -> torch.Tensor:
+def linear(flat: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, outputs: int,
+           scales: torch.Tensor | None = None) -> torch.Tensor:
     """``flat @ W.T + bias`` for a float32 CPU ``flat`` [rows, in], ``W`` [outputs, in] packed by :func:`pack`
-    (and ``bias`` [outputs]); check :func:`available` first."""
+    (and ``bias`` [outputs]); int8 panels take ``scales`` [outputs], W being ``scales[:, None] * int8
+    weights``. Check :func:`available` first."""
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows, width = flat.shape
-    if (flat.dtype != torch.float32 or panels.dtype != torch.float32 or panels.shape[1] != width
-            or panels.shape[0] * PANEL < outputs):
+    quantized = panels.dtype == torch.int8
+    if (flat.dtype != torch.float32 or panels.dtype not in (torch.float32, torch.int8) or panels.shape[1] != width
+            or panels.shape[0] * PANEL < outputs or quantized != (scales is not None)
+            or (quantized and (scales.dtype != torch.float32 or scales.numel() < outputs))):
         raise ValueError(f"rowwise.linear takes float32 [rows, {panels.shape[1]}] inputs and weights packed by "
-                         f"rowwise.pack, got {flat.dtype} {tuple(flat.shape)}")
+                         f"rowwise.pack (int8 ones with float32 scales), got {flat.dtype} {tuple(flat.shape)}")
     out = torch.empty((rows, outputs), dtype=torch.float32)
     if rows:
-        kernel()(flat.data_ptr(), rows, flat.stride(0), panels.data_ptr(), outputs, width,
-                 None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
+        rest = (None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
+        head = (flat.data_ptr(), rows, flat.stride(0), panels.data_ptr(), outputs, width)
+        if quantized:
+            kernel("linear_int8")(*head, scales.data_ptr(), *rest)
+        else:
+            kernel()(*head, *rest)
     return out

@@ -217,8 +217,8 @@ def classifier_files_fingerprint(clf: str, with_drop: bool = False) -> str:
 def placement(*lms: LM | None) -> list[str] | None:
     """Device and dtype of each model ("cuda bfloat16"), or None when all are float32 on the CPU (what every
     earlier run used): rows decoded elsewhere have other timings and may differ in the last bits, so a run
-    moved to another device or dtype must not resume from them."""
-    where = [f"{lm.device.type} {lm.weights_dtype}" for lm in lms if lm is not None]
+    moved to another device or dtype (or int8 kernel, ``LM.placement``) must not resume from them."""
+    where = [lm.placement for lm in lms if lm is not None]
     return where if any(w != "cpu float32" for w in where) else None
 
 
