@@ -1,6 +1,7 @@
-"""The row-wise float32 linear (``decoding/rowwise.c``): it computes the linear, and each row gets the same bits
-whatever shares its call (rows, widths, threads), which is what keeps greedy SD equal to the target alone and
-batched rows equal to rows alone on the path that uses it (decoded on it: ``test_fastpath``'s exactness tests)."""
+"""The row-wise linear (``decoding/rowwise.c``), over float32 or int8 weights: it computes the linear, and each
+row gets the same bits whatever shares its call (rows, widths, threads), which is what keeps greedy SD equal to
+the target alone and batched rows equal to rows alone on the path that uses it (decoded on it:
+``test_fastpath``'s exactness tests)."""
 
 from __future__ import annotations
 
@@ -9,45 +10,58 @@ import torch
 import torch.nn.functional as F
 
 from pivotspec.decoding import rowwise
+from pivotspec.decoding.packing import quantize
 
 pytestmark = pytest.mark.skipif(not rowwise.available(), reason="no C compiler to build the row-wise kernel")
 
 
+def held(w: torch.Tensor, int8: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``w`` as the kernel takes it (panels, and scales for int8 ones) and the float32 weight that stands for:
+    ``w`` itself, or its int8 weights times their scales."""
+    if not int8:
+        return rowwise.pack(w), None, w
+    q, scales = quantize(w)
+    return rowwise.pack(q), scales.float(), q.float() * scales.float()[:, None]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("rows,width,outputs,bias", [(7, 70, 100, True), (3, 576, 1536, False), (1, 5, 3, True),
                                                      (40, 64, 49, False)])
-def test_it_computes_the_linear(rows, width, outputs, bias):
+def test_it_computes_the_linear(rows, width, outputs, bias, int8):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, width, generator=gen)
     w = torch.randn(outputs, width, generator=gen)
     b = torch.randn(outputs, generator=gen) if bias else None
-    got, ref = rowwise.linear(x, rowwise.pack(w), b, outputs), F.linear(x, w, b)
+    panels, scales, dense = held(w, int8)
+    got, ref = rowwise.linear(x, panels, b, outputs, scales), F.linear(x, dense, b)
     assert got.shape == ref.shape
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())  # float32 rounding apart
     strided = torch.randn(rows, 2 * width, generator=gen)[:, ::2]  # not contiguous: copied first
-    panels = rowwise.pack(w)
-    assert torch.equal(rowwise.linear(strided, panels, b, outputs), rowwise.linear(strided.contiguous(), panels, b,
-                                                                                    outputs))
+    assert torch.equal(rowwise.linear(strided, panels, b, outputs, scales),
+                       rowwise.linear(strided.contiguous(), panels, b, outputs, scales))
 
 
-def test_each_row_gets_its_bits_whatever_shares_the_call():
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_each_row_gets_its_bits_whatever_shares_the_call(int8):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(50, 200, generator=gen)  # 200: whole vectors and a tail on every lane width
     w = torch.randn(301, 200, generator=gen)  # 301: panels, groups and tiles end part-way
     b = torch.randn(301, generator=gen)
-    panels = rowwise.pack(w)
-    full = rowwise.linear(x, panels, b, 301)
+    panels, scales, _ = held(w, int8)
+    full = rowwise.linear(x, panels, b, 301, scales)
     for start, size in [(0, 1), (5, 1), (49, 1), (0, 2), (3, 3), (7, 4), (10, 6), (11, 13), (0, 49)]:
-        got = rowwise.linear(x[start:start + size], panels, b, 301)
+        got = rowwise.linear(x[start:start + size], panels, b, 301, scales)
         assert torch.equal(got, full[start:start + size]), (start, size)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(rowwise.linear(x, panels, b, 301), full)
-        assert torch.equal(rowwise.linear(x[7:8], panels, b, 301), full[7:8])
+        assert torch.equal(rowwise.linear(x, panels, b, 301, scales), full)
+        assert torch.equal(rowwise.linear(x[7:8], panels, b, 301, scales), full[7:8])
     finally:
         torch.set_num_threads(threads)
     # a weight's rows in another grouping (a fused q/k/v matrix and its members) give each output its bits
-    assert torch.equal(rowwise.linear(x, rowwise.pack(w[96:250]), b[96:250], 154), full[:, 96:250])
+    part_panels, part_scales, _ = held(w[96:250], int8)
+    assert torch.equal(rowwise.linear(x, part_panels, b[96:250], 154, part_scales), full[:, 96:250])
 
 
 def test_bad_input_is_refused():
@@ -58,3 +72,9 @@ def test_bad_input_is_refused():
         rowwise.linear(torch.randn(2, 9), panels, None, 4)
     with pytest.raises(ValueError, match="rowwise.pack"):
         rowwise.linear(torch.randn(2, 8), panels, None, 17)
+    int8_panels, scales, _ = held(torch.randn(4, 8), int8=True)
+    for wrong in (None, scales.to(torch.bfloat16), scales[:3]):  # int8 panels need float32 scales, one an output
+        with pytest.raises(ValueError, match="int8 ones with float32 scales"):
+            rowwise.linear(torch.randn(2, 8), int8_panels, None, 4, wrong)
+    with pytest.raises(ValueError, match="int8 ones with float32 scales"):
+        rowwise.linear(torch.randn(2, 8), panels, None, 4, scales)  # float32 panels take none
