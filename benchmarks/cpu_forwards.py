@@ -5,11 +5,12 @@
 Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec number
 before the fast path; float32 packed; float32 rowwise, the row-wise C kernel, where it builds; bfloat16 plain,
 and packed (``--dtype bfloat16``) where oneDNN runs bfloat16 natively; weight-only int8 (``--dtype int8``,
-opt-in) on PyTorch's int8 kernel and on the row-wise one; a packed path once per lone-row width that keeps the many-row numbers, the widths ``fastpath.choose``
-picks among, and once through transformers' forward where the lean Llama forward applies, to show what it
-saves): median ms of a 1-, 4- and 6-token forward after 64 cached tokens (the decode step, SD's verification
-at gamma 3 and 5; interleaved repeats), the bytes of weights, and the time to read them once at this machine's
-read bandwidth, measured here (median of summing a 512 MB buffer). Then
+opt-in) on PyTorch's int8 kernel and on the row-wise one; a packed path once per lone-row width that keeps
+the many-row numbers, the widths ``fastpath.choose`` picks among, and once through transformers' forward
+where the lean Llama forward applies, to show what it saves): median ms of a 1-, 4- and 6-token forward after
+64 cached tokens (the decode step, SD's verification at gamma 3 and 5; interleaved repeats), the bytes of
+weights, and the time to read them once at this machine's read bandwidth, measured here (median of summing a
+512 MB buffer). Then
 ms/token of ``ar``, ``sd`` and ``pad`` (gamma 5, the shipped classifier) on the testbed pair per path,
 interleaved over arith validation problems; and llama.cpp (llama-cpp-python from a benchmark-only environment,
 ``--llama-python``) decoding SmolLM2 from the shipped Q4_1 GGUF. Each row says how its tokens compare with
