@@ -9,6 +9,7 @@ from html.parser import HTMLParser
 import pytest
 
 from pivotspec.cli import main
+from pivotspec.decoding import rowwise
 from pivotspec.evaluation.runs import method_specs
 from pivotspec.evaluation.summary import summarize, wilson_ci
 from pivotspec.store import read_records
@@ -118,6 +119,23 @@ def test_a_run_moved_to_another_dtype_does_not_resume_from_the_first_ones_rows(t
     assert main([*eval_args(tiny_dir, data, tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     placement = json.loads((tmp_path / "bf16" / "run.json").read_text())["placement"]
     assert [w.split()[1] for w in placement] == ["bfloat16", "bfloat16"]
+
+
+@pytest.mark.skipif(not rowwise.available(), reason="no C compiler for the row-wise kernel")
+def test_int8_runs_record_their_kernel_and_do_not_resume_on_the_other(tiny_dir, data, tmp_path, capsys,
+                                                                       monkeypatch):
+    """The two int8 kernels hold the same weights but compute other numbers (float32 inputs against bfloat16
+    ones), so a run records which one made it and refuses to resume on the other."""
+    out = tmp_path / "run"
+    args = ["eval", "--target", str(tiny_dir["llama_target"]), "--task", "jsonl", "--data", str(data), "--n", "2",
+            "--methods", "ar", "--max-new-tokens", "4", "--out", str(out), "--dtype", "int8"]
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "rowwise")
+    assert main(args) == 0
+    assert json.loads((out / "run.json").read_text())["placement"] == ["cpu int8 rowwise"]
+    capsys.readouterr()
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "packed")  # PyTorch's int8 kernel
+    assert main(args) == 2
+    assert "different placement" in capsys.readouterr().err
 
 
 def test_a_method_can_run_at_its_own_gamma(tiny_dir, load, data):
