@@ -4,9 +4,10 @@
 
 Per pair (testbed, testbed-hard) and dtype (float32 first, then each of ``--dtypes``): ``ar`` on the ``--n``
 test problems, greedy, decoded in batches of ``--batch-size`` (rows equal their batch-1 decodes within a dtype,
-tested), written to RESULTS/dtype_quality/<pair>-<dtype>/ (resumable, like ``pivotspec eval --out``). The
-table gives each dtype's accuracy with its 95% Wilson interval, the problems only float32 or only the dtype got
-right, McNemar's exact p, and how many completions are identical to float32's.
+tested), written to RESULTS/dtype_quality/<pair>-<dtype>/ (<pair>-int8-rowwise for int8 on the row-wise
+kernel; resumable, like ``pivotspec eval --out``). The table gives each dtype's accuracy with its 95%
+Wilson interval, the problems only float32 or only the dtype got right, McNemar's exact p, and how many
+completions are identical to float32's.
 """
 
 from __future__ import annotations

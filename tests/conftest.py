@@ -10,8 +10,8 @@ import torch
 
 # The whole suite runs on one device: PIVOTSPEC_TEST_DEVICE (default cpu), e.g. cuda on a GPU machine.
 os.environ["PIVOTSPEC_DEVICE"] = os.environ.get("PIVOTSPEC_TEST_DEVICE", "cpu")
-# and in one dtype (default float32) whatever this CPU's fastest path is (load_lm's auto), so a result does
-# not move with the machine; tests of the fast path ask for their dtypes explicitly.
+# and in one dtype (default float32), so a result does not move with the machine; tests of the fast path ask
+# for their dtypes explicitly.
 os.environ["PIVOTSPEC_DTYPE"] = os.environ.get("PIVOTSPEC_TEST_DTYPE", "float32")
 # and on pinned kernels (default the row-wise kernel, float32 plain where it does not build), not measured ones:
 # timings taken beside another worker pick at random, and measuring cost ~50 s a model; tests of the measured
