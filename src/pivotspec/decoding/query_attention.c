@@ -4,8 +4,9 @@
    many queries, rows or padded columns share the call, nor on how the work is split over threads. So a row
    decoded in a batch, or a query verified beside later ones, gets the bits the lone decode step gets, with
    one call per layer instead of one PyTorch attention call per query (pivotspec/decoding/query_attention.py
-   says why and how it is built). The arithmetic is written in GCC's vector extension, 16 lanes (two or four
-   machine vectors where the CPU's are narrower), so that its order is the code's and not the optimizer's;
+   says why and how it is built). The arithmetic is written in GCC's vector extension, in the machine's vector
+   width, with the softmax's sum kept in 16 lanes at any width, so that its order is the code's and not the
+   optimizer's and the same on every CPU;
    compiled with -ffp-contract=off, so that no multiply and add are fused in one place and not in another. */
 
 #include <math.h>
@@ -13,12 +14,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
+#define LANES 16  /* keys per block: the softmax's sum is a LANES-lane sum over blocks, then a fixed tree */
 #define WAYS 4
+/* The machine's vectors: 16 floats with AVX-512, else 8 (16-float vectors on AVX2 spilled to memory and ran 4.6x
+   slower). Every value is the same at either width: scores and outputs are per key and per column, and the
+   softmax's sum keeps LANES lanes as PARTS vectors. */
+#if defined(__AVX512F__)
+#define VLANES 16
+#else
+#define VLANES 8
+#endif
+#define PARTS (LANES / VLANES)
 
-typedef float vf __attribute__((vector_size(4 * LANES)));
-typedef int32_t vi __attribute__((vector_size(4 * LANES)));
-typedef float vf_unaligned __attribute__((vector_size(4 * LANES), aligned(4), may_alias));
+typedef float vf __attribute__((vector_size(4 * VLANES)));
+typedef int32_t vi __attribute__((vector_size(4 * VLANES)));
+typedef float vf_unaligned __attribute__((vector_size(4 * VLANES), aligned(4), may_alias));
 
 typedef struct {
     const float *q; int64_t q_row, q_head, q_query;              /* [rows, heads, width, dim] in elements */
@@ -51,9 +61,9 @@ static inline vf exp_nonpositive(vf x) {
     return p * (vf)((k + 127) << 23);
 }
 
-static inline float lane_sum(vf x) {  /* a fixed tree over the 16 lanes */
+static inline float lane_sum(const vf *parts) {  /* a fixed tree over the LANES lanes of PARTS vectors */
     float s[LANES];
-    memcpy(s, &x, sizeof s);
+    for (int p = 0; p < PARTS; p++) memcpy(s + p * VLANES, &parts[p], sizeof(vf));
     for (int half = LANES / 2; half > 0; half /= 2)
         for (int l = 0; l < half; l++) s[l] += s[l + half];
     return s[0];
@@ -92,44 +102,44 @@ static void attend_query(const float *restrict q, const float *restrict keys, in
         memset(out, 0, sizeof(float) * (size_t)dim);
         return;
     }
-    int64_t blocks = (n + LANES - 1) / LANES, b = 0;
-    /* Four blocks (or four column chunks below) at a time: independent sums that the CPU overlaps; every lane
+    int64_t units = (n + VLANES - 1) / VLANES, u = 0;  /* VLANES keys each */
+    /* Four units (or four column chunks below) at a time: independent sums that the CPU overlaps; every lane
        is summed in the same order either way. */
-    for (; b + WAYS <= blocks; b += WAYS) {
+    for (; u + WAYS <= units; u += WAYS) {
         vf acc[WAYS] = {{0}};
         for (int t = 0; t < dim; t++)
-            for (int u = 0; u < WAYS; u++) acc[u] += q[t] * load(keys + t * stride_t + (b + u) * LANES);
-        for (int u = 0; u < WAYS; u++) store(scores + (b + u) * LANES, acc[u] * scale);
+            for (int w = 0; w < WAYS; w++) acc[w] += q[t] * load(keys + t * stride_t + (u + w) * VLANES);
+        for (int w = 0; w < WAYS; w++) store(scores + (u + w) * VLANES, acc[w] * scale);
     }
-    for (; b < blocks; b++) {
+    for (; u < units; u++) {
         vf acc = {0};
-        for (int t = 0; t < dim; t++) acc += q[t] * load(keys + t * stride_t + b * LANES);
-        store(scores + b * LANES, acc * scale);
+        for (int t = 0; t < dim; t++) acc += q[t] * load(keys + t * stride_t + u * VLANES);
+        store(scores + u * VLANES, acc * scale);
     }
     float top = -INFINITY;
     for (int64_t j = 0; j < n; j++) top = scores[j] > top ? scores[j] : top;
     vf best = splat(top);
-    vf sums = {0};
-    for (b = 0; b < blocks; b++) {
-        vf e = exp_nonpositive(load(scores + b * LANES) - best);
-        if ((b + 1) * LANES > n) {  /* the last block: lanes past n weigh nothing */
-            float tail[LANES];
+    vf sums[PARTS] = {{0}};  /* lane l of part p: the keys LANES * block + p * VLANES + l, block by block */
+    for (u = 0; u < units; u++) {
+        vf e = exp_nonpositive(load(scores + u * VLANES) - best);
+        if ((u + 1) * VLANES > n) {  /* the last unit: lanes past n weigh nothing */
+            float tail[VLANES];
             memcpy(tail, &e, sizeof tail);
-            for (int64_t l = n - b * LANES; l < LANES; l++) tail[l] = 0.0f;
+            for (int64_t l = n - u * VLANES; l < VLANES; l++) tail[l] = 0.0f;
             memcpy(&e, tail, sizeof e);
         }
-        store(scores + b * LANES, e);
-        sums += e;
+        store(scores + u * VLANES, e);
+        sums[u % PARTS] += e;
     }
     float total = lane_sum(sums);
     int c = 0;
-    for (; c + WAYS * LANES <= dim; c += WAYS * LANES) {
+    for (; c + WAYS * VLANES <= dim; c += WAYS * VLANES) {
         vf acc[WAYS] = {{0}};
         for (int64_t j = 0; j < n; j++)
-            for (int u = 0; u < WAYS; u++) acc[u] += scores[j] * load(values + j * dim + c + u * LANES);
-        for (int u = 0; u < WAYS; u++) store(out + c + u * LANES, acc[u] / total);
+            for (int w = 0; w < WAYS; w++) acc[w] += scores[j] * load(values + j * dim + c + w * VLANES);
+        for (int w = 0; w < WAYS; w++) store(out + c + w * VLANES, acc[w] / total);
     }
-    for (; c + LANES <= dim; c += LANES) {
+    for (; c + VLANES <= dim; c += VLANES) {
         vf acc = {0};
         for (int64_t j = 0; j < n; j++) acc += scores[j] * load(values + j * dim + c);
         store(out + c, acc / total);
