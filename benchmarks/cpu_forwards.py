@@ -7,7 +7,8 @@ before the fast path; float32 packed; float32 rowwise, the row-wise C kernel, wh
 and packed (``--dtype bfloat16``) where oneDNN runs bfloat16 natively; weight-only int8 (``--dtype int8``,
 opt-in) on PyTorch's int8 kernel and on the row-wise one; a packed path once per lone-row width that keeps
 the many-row numbers, the widths ``fastpath.choose`` picks among, and once through transformers' forward
-where the lean Llama forward applies, to show what it saves): median ms of a 1-, 4- and 6-token forward after
+where the lean Llama forward applies, to show what it saves; a row-wise path also with PyTorch's ops around
+its linears, to show what the fused layers save): median ms of a 1-, 4- and 6-token forward after
 64 cached tokens (the decode step, SD's verification at gamma 3 and 5; interleaved repeats), the bytes of
 weights, and the time to read them once at this machine's read bandwidth, measured here (median of summing a
 512 MB buffer). Then
@@ -41,6 +42,7 @@ PATHS = [CpuPath("float32", False), CpuPath("float32", True),
          *([fastpath.ROWWISE] if rowwise.available() else []), CpuPath("bfloat16", False),
          *([CpuPath("bfloat16", True)] if fastpath.capabilities()["onednn_bf16"] else []),  # oneDNN refuses it
          CpuPath(fastpath.INT8, True), *([fastpath.INT8_ROWWISE] if rowwise.available() else [])]
+TORCH_OPS = "PyTorch's layer ops"  # a row-wise path without the fused layers (``fused``)
 LLAMA = r"""
 import json, sys, time, statistics
 from llama_cpp import Llama
@@ -68,14 +70,16 @@ def read_bandwidth_gbs(reps: int = 7) -> float:
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
-def load_pinned(kernels: str, load: Any, *args: Any, **kwargs: Any) -> Any:
+def load_pinned(kernels: str, load: Any, *args: Any, layers: str = "fused", **kwargs: Any) -> Any:
     """``load`` with the CPU kernels pinned (``$PIVOTSPEC_CPU_KERNELS``: plain, as pivotspec before the fast
-    path; packed; rowwise), so that a path's row is that path and not what auto would measure fastest."""
-    os.environ["PIVOTSPEC_CPU_KERNELS"] = kernels
+    path; packed; rowwise), so that a path's row is that path and not what auto would measure fastest; on the
+    row-wise paths, ``layers`` (``$PIVOTSPEC_LAYERS``) says whether the layer ops around the linears run fused in
+    C (the default) or as PyTorch's ops."""
+    os.environ["PIVOTSPEC_CPU_KERNELS"], os.environ["PIVOTSPEC_LAYERS"] = kernels, layers
     try:
         return load(*args, **kwargs)
     finally:
-        del os.environ["PIVOTSPEC_CPU_KERNELS"]
+        del os.environ["PIVOTSPEC_CPU_KERNELS"], os.environ["PIVOTSPEC_LAYERS"]
 
 
 def variants(base: Any) -> dict[str, tuple[Any, int]]:
@@ -86,6 +90,9 @@ def variants(base: Any) -> dict[str, tuple[Any, int]]:
         model = fastpath.convert(copy.deepcopy(base), p)
         if not p.packed or p.rowwise:  # the row-wise kernel takes a lone row alone
             out[p.label] = (model, 0)
+            if p.rowwise:  # the same kernel with PyTorch's ops around it: what the fused layers save
+                out[f"{p.label}, {TORCH_OPS}"] = (load_pinned("rowwise", fastpath.convert, copy.deepcopy(base), p,
+                                                              layers="torch"), 0)
             continue
         widths = packing.exact_lone_widths(model) or [p.lone_rows]
         for width in widths:
@@ -135,6 +142,9 @@ def decoding(n: int, reps: int, max_new: int) -> list[dict]:
     for p in PATHS:
         kernels = "rowwise" if p.rowwise else "packed" if p.packed else "plain"
         pairs[p.label] = load_pinned(kernels, api.load_pair, pair="testbed", dtype=p.dtype)
+        if p.rowwise:
+            pairs[f"{p.label}, {TORCH_OPS}"] = load_pinned(kernels, api.load_pair, pair="testbed", dtype=p.dtype,
+                                                           layers="torch")
     policies = {k: api.make_policy(pr, "pad", pair_name="testbed") for k, pr in pairs.items()}
     problems = api.get_task("arith").problems("validation", n)
     methods = ["ar", "sd", "pad"]
@@ -220,10 +230,10 @@ def main() -> None:
         print(f"llama.cpp SmolLM2 Q4_1: {peer['ms_per_token']:.1f} ms/token; pivotspec's fastest 1-token forward "
               f"{ours:.1f} ms ({ours / peer['ms_per_token']:.2f}x)")
     result["decoding"] = decoding(args.n, args.decode_repeats, args.max_new_tokens)
-    print(f"{'path':16} {'method':6} {'ms/token':>9} {'vs f32':>7} {'same as f32':>12} {'sd==ar':>7}")
+    print(f"{'path':40} {'method':6} {'ms/token':>9} {'vs f32':>7} {'same as f32':>12} {'sd==ar':>7}")
     for r in result["decoding"]:
         sd_ar = "" if r["sd_equals_ar"] is None else f"{r['sd_equals_ar']}/{args.n}"
-        print(f"{r['path']:16} {r['method']:6} {r['ms_per_token']:9.1f} {r['speedup_vs_float32']:6.2f}x "
+        print(f"{r['path']:40} {r['method']:6} {r['ms_per_token']:9.1f} {r['speedup_vs_float32']:6.2f}x "
               f"{r['same_tokens_as_float32']:>12} {sd_ar:>7}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -208,7 +208,7 @@ def test_negative_layer_is_hf_hidden_states_indexing(tiny_dir, load):
     lm.reset()
     _, hidden = lm.forward(ids, keep_logits=2, hidden_layer=-2)
     out = lm.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    torch.testing.assert_close(hidden, out.hidden_states[-2][0, -2:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden, out.hidden_states[-2][0, -2:], atol=1e-5, rtol=1e-4)  # rounding: fused layers
     for bad in (0, 4, -4):
         with pytest.raises(UsageError, match="outside 1..3"):
             lm.resolve_layer(bad)

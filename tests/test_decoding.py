@@ -137,7 +137,7 @@ def test_hidden_state_is_the_chosen_layer(tiny_dir, load):
     lm.reset()
     _, hidden = lm.forward(ids, keep_logits=2, hidden_layer=2)
     out = lm.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-    torch.testing.assert_close(hidden, out.hidden_states[2][0, -2:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden, out.hidden_states[2][0, -2:], atol=1e-5, rtol=1e-4)  # fused layers: rounding
 
 
 def test_generate_does_not_recompute_the_prompt(tiny_dir, load):

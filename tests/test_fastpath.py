@@ -274,8 +274,9 @@ def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtyp
         pd = decode("pad", target, draft, ids, pad, gamma=5, max_new_tokens=24, eos_ids=set())
         assert sd.token_ids == ar.token_ids == pd.token_ids
     name, calls = attention
-    # float32 inputs (float32 models, int8 on the row-wise kernel) attend with SDPA whole
-    assert bool(calls) == (dtype != "float32" and name == "kernel" and not rowwise_path)
+    # plain float32 attends with SDPA whole; bfloat16 and int8 per query, and the row-wise paths' fused layers
+    # (``fused``) through the same kernel
+    assert bool(calls) == (name == "kernel" and (dtype != "float32" or rowwise_path))
     if dtype == "int8":  # int8 weights, not float32's rounded: what it computes is its own
         assert packing.is_packed(target.model) and all(k.scales is not None for k in packing.packed_kernels(
             target.model))
@@ -379,11 +380,11 @@ def test_sliding_windows_are_told_apart():
 def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8(attention, dtype, monkeypatch):
     """PyTorch's int8 kernel rounds the linears' inputs to bfloat16, so float32 attention's last-bit differences
     between a query alone and beside others became whole bfloat16 steps there too: with SDPA whole, SD parted
-    from ar on the 4th of these problems (an AVX2 AMD EPYC). The row-wise int8 kernel keeps them float32 and
-    attends whole."""
+    from ar on the 4th of these problems (an AVX2 AMD EPYC). The row-wise int8 kernel keeps them float32, and
+    its fused layers attend per query through the same kernel."""
     if dtype.startswith("int8") and attention[0] == "torch":
         pytest.skip("int8 runs the attention kernel here or none; the per-query PyTorch calls are bfloat16's test")
-    path, dtype = dtype, pinned(dtype, monkeypatch)
+    dtype = pinned(dtype, monkeypatch)
     from pivotspec import api
     from pivotspec.decoding.models import eos_ids
     from pivotspec.tasks import encode_problem
@@ -398,7 +399,7 @@ def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8
         ar = decode("ar", pair.target, None, ids, **kw)
         assert decode("sd", pair.target, pair.draft, ids, gamma=5, **kw).token_ids == ar.token_ids
         assert decode("pad", pair.target, pair.draft, ids, pad, gamma=5, **kw).token_ids == ar.token_ids
-    assert bool(attention[1]) == (attention[0] == "kernel" and path != "int8-rowwise")
+    assert bool(attention[1]) == (attention[0] == "kernel")
 
 
 def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
@@ -424,7 +425,7 @@ def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attenti
     from tests.test_batch import assert_rows_equal_batch1
     from tests.test_decoding import prompts
 
-    path, dtype = dtype, pinned(dtype, monkeypatch)
+    dtype = pinned(dtype, monkeypatch)
     target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
     draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
     pad0 = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
@@ -434,8 +435,8 @@ def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attenti
         jobs.append((method, Request(ids, policy=policy, gamma=gamma, max_new_tokens=6 + 3 * i,
                                      speculate=method != "ar")))
     assert_rows_equal_batch1(target, draft, jobs, max_batch=3)  # rows leave and join at different steps
-    # float32 inputs (float32, int8 on the row-wise kernel) attend whole
-    assert bool(attention[1]) == (attention[0] == "kernel" and "rowwise" not in path)
+    # every path here attends per query through the kernel (the row-wise ones in their fused layers)
+    assert bool(attention[1]) == (attention[0] == "kernel")
 
 
 @needs_bf16

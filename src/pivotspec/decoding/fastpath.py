@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pivotspec.decoding import rowwise
+from pivotspec.decoding import fused, rowwise
 from pivotspec.decoding.attention import attention_in_float32
 from pivotspec.decoding.forward import make_lean, model_forward
 from pivotspec.decoding.machine import cpu_flags, cpu_name
@@ -265,6 +265,8 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
     # "plain lean": plain paths run it too since, so their timings (and the verdicts) moved
     rule += f"|lone rows {','.join(map(str, LONE_WIDTHS))}|lean|row limit|plain lean" if any(
         p.packed for p in paths) else ""
+    # "fused layers": the row-wise paths run their layers' ops in C (``fused``), so their timings moved
+    rule += "|fused layers" if any(p.rowwise for p in paths) and fused.wanted() else ""
     key = f"{machine_key()}|{model_key(source)}|{','.join(p.label for p in paths)}{rule}"
     try:
         cached = json.loads(store.read_text())

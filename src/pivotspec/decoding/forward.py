@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pivotspec.decoding import query_attention
-from pivotspec.decoding.attention import FLOAT32_ATTENTION
+from pivotspec.decoding.attention import FLOAT32_ATTENTION, key_counts
+from pivotspec.decoding.fused import FusedLayers
 from pivotspec.decoding.packing import FusedMember, PackedLinear, kernel_of
 
 LEAN = "_pivotspec_lean"  # the attribute that holds a model's lean forward
@@ -132,12 +133,16 @@ class LeanLlama:
                         layer.self_attn)
                        for layer in body.layers]
         self.head = lean_kernel(model, "lm_head")
+        self.fused = FusedLayers.build(self.layers, self.heads + self.kv_heads, self.head_dim, self.inter)
+        self.final = body.norm.weight.detach().float().contiguous()
 
     def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None, keep: int, layers: tuple[int, ...],
                  ragged: Ragged | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         from transformers.masking_utils import create_causal_mask
 
+        if self.fused is not None:
+            return self.through_fused(input_ids, cache, attention_mask, position_ids, keep, layers, ragged)
         if ragged is not None:
             return self.ragged(input_ids, cache, attention_mask, position_ids, layers, ragged)
         body, config = self.body, self.config
@@ -190,6 +195,65 @@ class LeanLlama:
         from transformers.models.llama.modeling_llama import eager_attention_forward
 
         return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+
+    def through_fused(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None, keep: int, layers: tuple[int, ...], ragged: Ragged | None
+                      ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward of :meth:`__call__` (or of :meth:`ragged`, with ``ragged``) over :class:`fused.FusedLayers`:
+        the tokens as [tokens, d] rows through two C calls a layer, attention between them. Each query attends
+        over exactly its keys (``query_attention``) wherever the mask shows a prefix of keys to every query (a
+        sequence's cache, the batch's slot cache), so the lone step, a verification and a batch's rows sum
+        alike; elsewhere (the rollouts' left padding) through the model's attention with the mask."""
+        from transformers.masking_utils import create_causal_mask
+
+        body, fused = self.body, self.fused
+        rows, width = input_ids.shape
+        device = input_ids.device
+        if ragged is None:
+            x = body.embed_tokens(input_ids)
+            if position_ids is None:
+                position_ids = (torch.arange(width, device=device) + cache.get_seq_length()).unsqueeze(0)
+            mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+                                      position_ids=position_ids)
+            tokens = None
+            kept = (torch.arange(rows, device=device)[:, None] * width + torch.arange(width - keep, width,
+                                                                                       device=device)).reshape(-1)
+            x = x.reshape(rows * width, -1)
+        else:
+            mask, tokens, kept = attention_mask, ragged.tokens(width, device), ragged.kept(device)
+            x = body.embed_tokens(input_ids.reshape(-1)[tokens])
+        cos, sin = body.rotary_emb(x, position_ids=position_ids)
+        cos, sin = (c.expand(rows, width, -1).reshape(rows * width, -1) for c in (cos, signed(sin)))
+        cos, sin = (c.contiguous() if tokens is None else c[tokens] for c in (cos, sin))
+        attention, scratch, counts = self.attention(), fused.scratch(x), None
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        all_heads = heads + 2 * kv_heads
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            module = layer[-1]
+            qkv = fused.front(index, x, cos, sin, scratch["normed"])
+            if tokens is None:
+                split = qkv.view(rows, width, all_heads, dim).transpose(1, 2)
+            else:
+                padded = qkv.new_zeros((rows * width, all_heads, dim))
+                padded[tokens] = qkv.view(len(tokens), all_heads, dim)
+                split = padded.view(rows, width, all_heads, dim).transpose(1, 2)
+            q = split[:, :heads]
+            k, v = cache.update(split[:, heads:heads + kv_heads], split[:, heads + kv_heads:], index)
+            if index == 0 and query_attention.supports(q, k):
+                counts = key_counts(mask, rows, width, k.shape[2])
+            if counts is not None:
+                attended = query_attention.attend(q, k, v, counts, module.scaling)
+            else:
+                attended, _ = attention(module, q, k, v, mask, dropout=0.0, scaling=module.scaling)
+            attended = attended.reshape(rows * width, -1)
+            fused.back(index, x, attended.contiguous() if tokens is None else attended[tokens], scratch)
+            if index + 1 in layers:
+                captured[index + 1] = x[kept]
+        logits = self.head.compute(fused.norm(x[kept], self.final, body.norm.variance_epsilon))
+        if ragged is not None:
+            return logits, captured
+        return logits.view(rows, keep, -1), {i: h.view(rows, keep, -1) for i, h in captured.items()}
 
     def ragged(self, input_ids: torch.Tensor, cache: Any, mask: Any, position_ids: torch.Tensor,
                layers: tuple[int, ...], ragged: Ragged) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

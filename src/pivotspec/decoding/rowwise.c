@@ -14,6 +14,7 @@
    step runs near the read bandwidth. More rows go in tiles of TILE_ROWS rows x one panel, the panel staying
    in cache while every row passes over it. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -145,4 +146,82 @@ int linear(const float *x, int64_t rows, int64_t xs, const float *w, int64_t n, 
 int linear_int8(const float *x, int64_t rows, int64_t xs, const int8_t *w, int64_t n, int64_t k_len,
                 const float *scales, const float *bias, float *out, int64_t os, int threads) {
     return run(x, rows, xs, w, n, k_len, scales, bias, out, os, threads, 1);
+}
+
+/* A Llama decoder layer's work around attention, each row alone (pivotspec/decoding/fused.py): `layer_front`
+   is RMSNorm, the fused q/k/v linear and the rotary embedding of q's and k's heads; `layer_back` is the output
+   projection and its residual, RMSNorm, the fused gate/up linear, SiLU(gate) * up, the down projection and its
+   residual. One call each instead of about 35 PyTorch ops a layer, which cost more than the linears on the
+   testbed target's decode step. Every value of a row depends on that row alone (sums in a fixed order, written
+   out; -ffp-contract=off), so the promises of the linear above hold for the layer. */
+
+
+typedef struct { const void *w; const float *scales, *bias; int64_t outputs, width, q; } Linear;
+typedef struct {
+    const float *norm_in, *norm_post; double eps_in, eps_post;
+    Linear qkv, out, gate_up, down;
+} Layer;
+
+static void apply(const Linear *l, const float *x, int64_t rows, float *out, int threads) {
+    run(x, rows, l->width, l->w, l->outputs, l->width, l->scales, l->bias, out, l->outputs, threads, (int)l->q);
+}
+
+/* y = w * (x / sqrt(mean(x^2) + eps)) row by row, as LlamaRMSNorm computes it in float32 */
+int norm(const float *x, int64_t rows, int64_t d, const float *w, double eps, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < d; i++) sum += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(sum / (float)d + (float)eps);
+        for (int64_t i = 0; i < d; i++) y[r * d + i] = w[i] * (xr[i] * inv);
+    }
+    return 0;
+}
+
+/* heads [rows][stride] starting at column 0, `heads` of them dim wide, turned by the row's cos and signed sin
+   (rotate_half's minus folded into the sin's first half): x * cos + roll(x, dim / 2) * sin */
+static void rotate(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t dim, const float *cos,
+                   const float *signed_sin) {
+    int64_t half = dim / 2;
+    float copy[1024];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *p = x + r * stride + h * dim;
+            const float *c = cos + r * dim, *s = signed_sin + r * dim;
+            memcpy(copy, p, dim * sizeof(float));
+            for (int64_t i = 0; i < dim; i++) p[i] = copy[i] * c[i] + copy[i < half ? i + half : i - half] * s[i];
+        }
+}
+
+/* x [rows, d] -> qkv [rows, qkv outputs], its first `turned` heads rotated; normed [rows, d] is scratch */
+int layer_front(const Layer *L, const float *x, int64_t rows, const float *cos, const float *signed_sin,
+                int64_t turned, int64_t dim, float *normed, float *qkv, int threads) {
+    if (dim > 1024) return 1;
+    norm(x, rows, L->qkv.width, L->norm_in, L->eps_in, normed);
+    apply(&L->qkv, normed, rows, qkv, threads);
+    rotate(qkv, rows, L->qkv.outputs, turned, dim, cos, signed_sin);
+    return 0;
+}
+
+static void add(float *x, const float *delta, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] += delta[i];
+}
+
+/* x [rows, d] += the rest of the layer on attended [rows, heads * dim]; the others are scratch: normed and
+   delta [rows, d], hidden [rows, 2 * inter], act [rows, inter] */
+int layer_back(const Layer *L, float *x, int64_t rows, const float *attended, float *normed, float *delta,
+               float *hidden, float *act, int threads) {
+    int64_t d = L->out.outputs, inter = L->down.width;
+    apply(&L->out, attended, rows, delta, threads);
+    add(x, delta, rows * d);
+    norm(x, rows, d, L->norm_post, L->eps_post, normed);
+    apply(&L->gate_up, normed, rows, hidden, threads);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < inter; i++) {
+            float g = hidden[r * 2 * inter + i];
+            act[r * inter + i] = g / (1.0f + expf(-g)) * hidden[r * 2 * inter + inter + i];
+        }
+    apply(&L->down, act, rows, delta, threads);
+    add(x, delta, rows * d);
+    return 0;
 }
