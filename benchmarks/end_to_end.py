@@ -5,6 +5,7 @@
 Each command runs as a new process (model loading and conversion included, the fast-path verdict already
 cached by an untimed warm-up) under three settings: float32 with plain linears (every pivotspec number before
 the fast path: ``PIVOTSPEC_DTYPE=float32 PIVOTSPEC_CPU_KERNELS=plain``), the CPU default (``--dtype auto``),
+the same with PyTorch's ops around the row-wise linears instead of the fused layers (``PIVOTSPEC_LAYERS=torch``),
 ``--dtype bfloat16`` and ``--dtype int8`` (``--settings`` picks some). Repeats interleave the settings, order
 alternating; the table gives median wall seconds and the ratio to float32 plain.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 SETTINGS = {
     "float32 plain": {"PIVOTSPEC_DTYPE": "float32", "PIVOTSPEC_CPU_KERNELS": "plain"},
     "auto": {"PIVOTSPEC_DTYPE": "auto"},
+    "auto (PyTorch's layer ops)": {"PIVOTSPEC_DTYPE": "auto", "PIVOTSPEC_LAYERS": "torch"},  # no fused layers
     "bfloat16": {"PIVOTSPEC_DTYPE": "bfloat16"},
     "int8": {"PIVOTSPEC_DTYPE": "int8"},
 }

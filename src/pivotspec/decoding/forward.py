@@ -8,8 +8,11 @@ keyword plumbing, output records, a hook to read a hidden state. Why: on the tes
 packed bfloat16) transformers' decode step spent about 7 of its 29 ms in Python between the kernels
 (torch.profiler); the lean forward took 15-21% off the 1- and 6-token forwards in bfloat16, 8-15% in float32
 and 21-28% on the small draft (benchmarks/cpu_forwards.py); over the float32 testbed draft's own linears,
-14% off its forwards in a batch of 8 (0.77 to 0.66 s of a 16-problem PAD run, same process). Every other
-model, and every model off the CPU, goes through transformers.
+14% off its forwards in a batch of 8 (0.77 to 0.66 s of a 16-problem PAD run, same process). Where every
+linear runs on the row-wise kernel, the lean forward goes further (:meth:`LeanLlama.through_fused`): each
+layer's ops around attention are two C calls (``fused``), each row still computed alone, its numbers
+PyTorch's to rounding rather than bit for bit. Every other model, and every model off the CPU, goes through
+transformers.
 """
 
 from __future__ import annotations
