@@ -80,6 +80,7 @@ class FusedLayers:
     def __init__(self, layers: list[tuple], turned_heads: int, head_dim: int, inter: int):
         self.held = [(w_in.detach().float().contiguous(), w_post.detach().float().contiguous())
                      for w_in, _, _, _, w_post, *_ in layers]
+        # the kernels whose tensors the descriptions point at, kept alive with them
         self.kernels = [(qkv, out, gate_up, down) for _, _, qkv, out, _, _, gate_up, down, _ in layers]
         self.layers = (_Layer * len(layers))(*[
             _Layer(norm_in.data_ptr(), norm_post.data_ptr(), float(eps_in), float(eps_post), _linear(qkv),

@@ -40,6 +40,18 @@ typedef int8_t vb __attribute__((vector_size(LANES)));
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 
+/* v in every lane, as a broadcast: written `(vf){0} + v`, the compiler kept the add (it must, for -0.0) and the
+   6-row tile ran 1.4x slower at 48 rows on AVX2. The sums are the same: no accumulator is ever -0.0. */
+static inline vf splat(float v) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(v);
+#elif defined(__AVX__)
+    return (vf)_mm256_set1_ps(v);
+#else
+    return (vf){0} + v;
+#endif
+}
+
 /* LANES int8 weights as float32 (exact: every int8 is a float32) */
 static inline vf load_int8(const int8_t *p) {
 #if defined(__AVX512F__)
@@ -80,7 +92,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
                 wv[p * VECTORS + v] = Q ? load_int8((const int8_t *)w + at) : load((const float *)w + at);
             }
         for (int r = 0; r < R; r++) {
-            vf xk = (vf){0} + x[r * xs + k];
+            vf xk = splat(x[r * xs + k]);
             for (int j = 0; j < P * VECTORS; j++) acc[r][j] = multiply_add(acc[r][j], xk, wv[j]);
         }
     }
