@@ -4,7 +4,8 @@
 
 Per model (testbed target and draft, SmolLM2-135M) and per CPU path (float32 plain, as every pivotspec number
 before the fast path; float32 packed; float32 rowwise, the row-wise C kernel, where it builds; bfloat16 plain,
-and packed (``--dtype bfloat16``) where oneDNN runs bfloat16 natively; weight-only int8 (``--dtype int8``,
+and packed (``--dtype bfloat16``) where oneDNN runs bfloat16 natively, and rowwise (bfloat16 panels, AVX512-BF16's
+dot product or its emulation); weight-only int8 (``--dtype int8``,
 opt-in) on PyTorch's int8 kernel and on the row-wise one; a packed path once per lone-row width that keeps
 the many-row numbers, the widths ``fastpath.choose`` picks among, and once through transformers' forward
 where the lean Llama forward applies, to show what it saves; a row-wise path also with PyTorch's ops around
@@ -41,6 +42,7 @@ from pivotspec.decoding.forward import LEAN, is_lean
 PATHS = [CpuPath("float32", False), CpuPath("float32", True),
          *([fastpath.ROWWISE] if rowwise.available() else []), CpuPath("bfloat16", False),
          *([CpuPath("bfloat16", True)] if fastpath.capabilities()["onednn_bf16"] else []),  # oneDNN refuses it
+         *([fastpath.BF16_ROWWISE] if rowwise.available() else []),
          CpuPath(fastpath.INT8, True), *([fastpath.INT8_ROWWISE] if rowwise.available() else [])]
 TORCH_OPS = "PyTorch's layer ops"  # a row-wise path without the fused layers (``fused``)
 LLAMA = r"""
@@ -104,13 +106,19 @@ def variants(base: Any) -> dict[str, tuple[Any, int]]:
     return out
 
 
+def own_weights(kernel: Any) -> bool:
+    """Whether a packed kernel holds weights other than its float32 parameters (int8, row-wise bfloat16)."""
+    return kernel.scales is not None or kernel.kernel == "rowwise-bf16"
+
+
 def weight_bytes(model: Any) -> int:
-    """The bytes of weights a forward reads: the parameters, with int8 kernels counted as what they hold (int8
-    weights and their scales) in place of the float32 parameters they were made from (kept, unread)."""
-    int8 = [k for k in packing.packed_kernels(model) if k.scales is not None]
+    """The bytes of weights a forward reads: the parameters, with int8 and row-wise bfloat16 kernels counted as
+    what they hold (int8 weights and their scales, bfloat16 panels) in place of the float32 parameters they
+    were made from (kept, unread)."""
+    held_by = [k for k in packing.packed_kernels(model) if own_weights(k)]
     replaced = {id(t) for m in model.modules() if isinstance(m, (packing.PackedLinear, packing.FusedMember))
-                and packing.kernel_of(m).scales is not None for t in (m.weight, m.bias) if t is not None}
-    held = sum(t.numel() * t.element_size() for k in int8 for t in (k.packed, k.scales, k.bias) if t is not None)
+                and own_weights(packing.kernel_of(m)) for t in (m.weight, m.bias) if t is not None}
+    held = sum(t.numel() * t.element_size() for k in held_by for t in (k.packed, k.scales, k.bias) if t is not None)
     return held + sum(t.numel() * t.element_size() for t in model.parameters() if id(t) not in replaced)
 
 

@@ -172,19 +172,21 @@ def test_packing_fuses_shared_inputs_keeps_weights_and_ties_and_computes_the_sam
 def test_candidates_follow_the_cpu_and_auto_weighs_bfloat16_only_with_its_instructions():
     plain = {"onednn_bf16": False, "avx512_bf16": False, "amx_bf16": False}
     emulated = {"onednn_bf16": True, "avx512_bf16": False, "amx_bf16": False}  # AVX-512 without BF16
-    bf16 = {"onednn_bf16": True, "avx512_bf16": True, "amx_bf16": False}
+    bf16 = {"onednn_bf16": True, "avx512_bf16": True, "amx_bf16": False, "rowwise_bf16": bool(ROWWISE)}
     amx = {"onednn_bf16": True, "avx512_bf16": False, "amx_bf16": True}
     float32 = {"float32", "float32 packed"} | ROWWISE
-    for caps in (bf16, amx):
-        assert {p.label for p in candidates(caps)} == float32 | {"bfloat16 packed"}
+    bf16_rowwise = {"bfloat16 rowwise"} if ROWWISE else set()
+    for caps, extra in ((bf16, bf16_rowwise), (amx, set())):
+        assert {p.label for p in candidates(caps)} == float32 | {"bfloat16 packed"} | extra
         # a sliding window attends whole, not exact in bfloat16: auto keeps such a model in float32
         assert {p.label for p in candidates(caps, sliding=True)} == float32
         assert {p.label for p in candidates(caps, "float32")} == float32
     for caps in (plain, emulated):
         assert {p.label for p in candidates(caps)} == float32
-    assert {p.label for p in candidates(bf16, "bfloat16")} == {"bfloat16", "bfloat16 packed"}
-    # asked for bfloat16 on a CPU without the instructions: it gets it (emulated, unpacked), never float32
-    assert [p.label for p in candidates(plain, "bfloat16")] == ["bfloat16"]
+    assert [p.label for p in candidates(bf16, "bfloat16")] == [*bf16_rowwise, "bfloat16", "bfloat16 packed"]
+    # asked for bfloat16 on a CPU without the instructions: it gets it (the row-wise kernel emulating the dot
+    # product, else PyTorch's emulation, unpacked), never float32
+    assert [p.label for p in candidates(plain, "bfloat16")] == [*bf16_rowwise, "bfloat16"]
 
 
 def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, tiny_dir, monkeypatch):
@@ -193,7 +195,7 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
     fake = {"float32": (3.0, 9.0), "float32 packed": (4.0, 6.0), "float32 rowwise": (4.0, 6.5), "bfloat16": (3.0, 8.0),
-            "bfloat16 packed": (4.0, 4.0)}
+            "bfloat16 packed": (4.0, 4.0), "bfloat16 rowwise": (4.0, 4.5)}
     calls = []
 
     def measure(_model, paths):
@@ -202,7 +204,8 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
 
     monkeypatch.setattr(fastpath, "measure", measure)
     monkeypatch.setattr(fastpath, "capabilities", lambda: {"cpu": "test", "isa": "AVX512", "avx512_bf16": True,
-                                                           "amx_bf16": False, "onednn_bf16": True})
+                                                           "amx_bf16": False, "onednn_bf16": True,
+                                                           "rowwise_bf16": bool(ROWWISE)})
     store = tmp_path / "fastpath.json"
     args = (model, tiny_dir["llama_target"], store)
     assert choose(*args, dtype="float32") == CpuPath("float32", True)  # least 1-token + 6-token time
@@ -212,7 +215,8 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert len(calls) == 2
     # auto weighs float32 and packed bfloat16 together, and leaves float32 only to save a quarter of the time
     assert choose(*args) == CpuPath("float32", True)  # bfloat16 packed saves 20% here (8 ms against 10)
-    assert calls[-1] == ["float32", "float32 packed", *ROWWISE, "bfloat16 packed"]
+    assert calls[-1] == ["float32", "float32 packed", *ROWWISE, *({"bfloat16 rowwise"} if ROWWISE else ()),
+                         "bfloat16 packed"]
     fake["bfloat16 packed"] = (3.0, 4.0)  # saves 30%: a new model key, measured again
     monkeypatch.setattr(fastpath, "model_key", lambda source: "another")
     assert choose(*args) == CpuPath("bfloat16", True)
@@ -245,9 +249,13 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
 NO_CC = pytest.mark.skipif(not ROWWISE, reason="no C compiler for the kernel")
 ON_ROWWISE = pytest.param("rowwise", marks=NO_CC)
 ON_INT8_ROWWISE = pytest.param("int8-rowwise", marks=NO_CC)
-# path -> (dtype, PIVOTSPEC_CPU_KERNELS): float32 on PyTorch's plain kernels or the row-wise one, int8 on the
-# row-wise kernel; anything else (bfloat16, int8) a dtype on its packed kernels (for int8, PyTorch's)
-PINS = {"float32": ("float32", "plain"), "rowwise": ("float32", "rowwise"), "int8-rowwise": ("int8", "rowwise")}
+ON_BF16_ROWWISE = pytest.param("bf16-rowwise", marks=NO_CC)  # the dot product's emulation where the CPU lacks it
+# path -> (dtype, PIVOTSPEC_CPU_KERNELS): float32 on PyTorch's plain kernels or the row-wise one, int8 and
+# bfloat16 on the row-wise kernel; anything else (bfloat16, int8) a dtype on its packed kernels (for int8,
+# PyTorch's)
+PINS = {"float32": ("float32", "plain"), "rowwise": ("float32", "rowwise"), "int8-rowwise": ("int8", "rowwise"),
+        "bf16-rowwise": ("bfloat16", "rowwise")}
+ROWWISE_KERNELS = {"rowwise": "rowwise", "int8-rowwise": "rowwise-int8", "bf16-rowwise": "rowwise-bf16"}
 
 
 def pinned(path: str, monkeypatch) -> str:
@@ -257,15 +265,15 @@ def pinned(path: str, monkeypatch) -> str:
     return dtype
 
 
-@pytest.mark.parametrize("dtype", [*DTYPES, "int8", ON_ROWWISE, ON_INT8_ROWWISE])
+@pytest.mark.parametrize("dtype", [*DTYPES, "int8", ON_ROWWISE, ON_INT8_ROWWISE, ON_BF16_ROWWISE])
 def test_greedy_sd_and_pad_sigma0_equal_target_only_in_each_dtype(tiny_dir, dtype, attention, monkeypatch):
     path, dtype = dtype, pinned(dtype, monkeypatch)
     target = load_lm(str(tiny_dir["llama_target"]), dtype=dtype)
     draft = load_lm(str(tiny_dir["llama_draft"]), dtype=dtype)
     assert target.weights_dtype == draft.weights_dtype == dtype
-    rowwise_path = path in ("rowwise", "int8-rowwise")
+    rowwise_path = path in ROWWISE_KERNELS
     if rowwise_path:
-        expected = {"rowwise" if dtype == "float32" else "rowwise-int8"}
+        expected = {ROWWISE_KERNELS[path]}
         assert {k.kernel for lm in (target, draft) for k in packing.packed_kernels(lm.model)} == expected
     pad = PAD(constant_classifier(0.0), sigma=0.0, p_floor=0.0)
     for ids in ([3, 4, 5], [7, 2, 9, 11, 4, 6], [20]):
@@ -376,14 +384,16 @@ def test_sliding_windows_are_told_apart():
 
 
 @pytest.mark.slow  # real models
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_INT8_ROWWISE])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_INT8_ROWWISE,
+                                   ON_BF16_ROWWISE])
 def test_testbed_greedy_sd_and_pad_sigma0_equal_target_only_in_bfloat16_and_int8(attention, dtype, monkeypatch):
     """PyTorch's int8 kernel rounds the linears' inputs to bfloat16, so float32 attention's last-bit differences
     between a query alone and beside others became whole bfloat16 steps there too: with SDPA whole, SD parted
     from ar on the 4th of these problems (an AVX2 AMD EPYC). The row-wise int8 kernel keeps them float32, and
     its fused layers attend per query through the same kernel."""
-    if dtype.startswith("int8") and attention[0] == "torch":
-        pytest.skip("int8 runs the attention kernel here or none; the per-query PyTorch calls are bfloat16's test")
+    if (dtype.startswith("int8") or dtype == "bf16-rowwise") and attention[0] == "torch":
+        pytest.skip("int8 and the row-wise bfloat16 run the attention kernel here or none; the per-query PyTorch "
+                    "calls are packed bfloat16's test")
     dtype = pinned(dtype, monkeypatch)
     from pivotspec import api
     from pivotspec.decoding.models import eos_ids
@@ -414,7 +424,8 @@ def test_key_counts_reads_prefix_masks_and_refuses_the_rest():
     assert key_counts(prefix.float(), 2, 2, 6) is None
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_ROWWISE, ON_INT8_ROWWISE])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_ROWWISE, ON_INT8_ROWWISE,
+                                   ON_BF16_ROWWISE])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_batched_rows_equal_batch1_in_bfloat16_and_int8(tiny_dir, gamma, attention, dtype, monkeypatch):
     """The batched path through the per-query attention on tiny models (bfloat16), and through the int8 and

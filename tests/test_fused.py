@@ -15,7 +15,7 @@ from pivotspec.errors import UsageError
 from tests.test_forward import tiny_llama
 
 pytestmark = pytest.mark.skipif(not rowwise.available(), reason="no C compiler to build the row-wise kernel")
-PATHS = {"float32": fastpath.ROWWISE, "int8": fastpath.INT8_ROWWISE}
+PATHS = {"float32": fastpath.ROWWISE, "int8": fastpath.INT8_ROWWISE, "bfloat16": fastpath.BF16_ROWWISE}
 
 
 def build(monkeypatch, dtype: str, layers: str = "fused", **overrides):

@@ -74,8 +74,9 @@ OTHER_DTYPE_SAVING = 0.25
 
 
 def capabilities() -> dict[str, Any]:
-    """What decides the candidates: the vector ISA torch dispatches to, the bfloat16 instructions, AMX, and
-    whether oneDNN runs bfloat16 natively here (it emulates it, slowly, on AVX2-only CPUs)."""
+    """What decides the candidates: the vector ISA torch dispatches to, the bfloat16 instructions, AMX,
+    whether oneDNN runs bfloat16 natively here (it emulates it, slowly, on AVX2-only CPUs) and whether the
+    row-wise kernel was built with AVX512-BF16's dot product."""
     flags = cpu_flags()
     return {
         "cpu": cpu_name(),
@@ -83,6 +84,7 @@ def capabilities() -> dict[str, Any]:
         "avx512_bf16": "avx512_bf16" in flags,
         "amx_bf16": "amx_bf16" in flags,
         "onednn_bf16": bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "rowwise_bf16": rowwise.native_bf16(),
     }
 
 
@@ -104,7 +106,9 @@ class CpuPath:
         """The packed linears' kernel (``packing.KERNELS``)."""
         if self.dtype == INT8:
             return "rowwise-int8" if self.rowwise else INT8
-        return "rowwise" if self.rowwise else "onednn"
+        if self.rowwise:
+            return "rowwise-bf16" if self.dtype == "bfloat16" else "rowwise"
+        return "onednn"
 
     @property
     def label(self) -> str:
@@ -113,6 +117,8 @@ class CpuPath:
 
 ROWWISE = CpuPath("float32", True, lone_rows=1, max_rows=ROW_LIMIT, rowwise=True)  # exact at any width
 INT8_ROWWISE = CpuPath(INT8, True, lone_rows=1, max_rows=ROW_LIMIT, rowwise=True)
+# bfloat16 weights on the row-wise kernel, activations float32 but the linears' inputs (``rowwise``)
+BF16_ROWWISE = CpuPath("bfloat16", True, lone_rows=1, max_rows=ROW_LIMIT, rowwise=True)
 
 
 def native_bf16(caps: dict[str, Any]) -> bool:
@@ -129,22 +135,26 @@ def has_sliding_window(config: Any) -> bool:
 
 
 def candidates(caps: dict[str, Any], dtype: str | None = None, sliding: bool = False) -> list[CpuPath]:
-    """The paths worth timing. Auto (``dtype`` None): float32, plain and packed, and bfloat16 packed where the
-    CPU has bfloat16 instructions and the model no sliding window (where the packed bfloat16 path keeps the
-    exactness promises within its dtype; its accuracy and the shipped classifiers' AUROC were checked against
-    float32, README). Float32 also gets the row-wise kernel where it builds here (``rowwise``). An asked-for
-    dtype gets its own kernels, packed where oneDNN has them for it (bfloat16 natively only with
-    AVX512-BF16/AMX); ``int8`` the row-wise kernel where it builds, then PyTorch's, which any CPU runs (the
-    first is taken: see ``INT8``)."""
+    """The paths worth timing. Auto (``dtype`` None): float32, plain and packed, and where the CPU has bfloat16
+    instructions and the model no sliding window, bfloat16 on the row-wise kernel (where it runs AVX512-BF16's
+    dot product) and packed (where oneDNN runs it natively): there the bfloat16 paths keep the exactness
+    promises within their kernel; their accuracy and the shipped classifiers' AUROC were checked against
+    float32 (README). Float32 also gets the row-wise kernel where it builds here (``rowwise``). An asked-for
+    dtype gets its own kernels: bfloat16 the row-wise one where it builds (emulating the dot product where the
+    CPU lacks it), then packed where oneDNN has it natively (AVX512-BF16/AMX), then plain; ``int8`` the
+    row-wise kernel where it builds, then PyTorch's, which any CPU runs (the first is taken: see ``INT8``)."""
     if dtype == INT8:
         return [*([INT8_ROWWISE] if rowwise.available() else []), CpuPath(INT8, True)]
     float32 = [CpuPath("float32", False), CpuPath("float32", True), *([ROWWISE] if rowwise.available() else [])]
     if dtype is None:
-        return float32 + ([CpuPath("bfloat16", True)] if native_bf16(caps) and not sliding else [])
+        bf16 = [*([BF16_ROWWISE] if caps.get("rowwise_bf16") else []),
+                *([CpuPath("bfloat16", True)] if native_bf16(caps) else [])]
+        return float32 + ([] if sliding else bf16)
     if dtype == "float32":
         return float32
-    if dtype == "bfloat16" and caps["onednn_bf16"]:
-        return [CpuPath("bfloat16", False), CpuPath("bfloat16", True)]
+    if dtype == "bfloat16":
+        return [*([BF16_ROWWISE] if rowwise.available() else []), CpuPath("bfloat16", False),
+                *([CpuPath("bfloat16", True)] if caps["onednn_bf16"] else [])]
     return [CpuPath(dtype, False)]
 
 
@@ -187,16 +197,19 @@ def time_forwards(model: nn.Module, reps: int = 7, context: int = 64,
     return out
 
 
-def activation_dtype(dtype: str) -> torch.dtype:
-    """What a path's activations (and unquantized weights: norms, embeddings) are held in."""
-    return torch.float32 if dtype == INT8 else FLOAT_DTYPES[dtype]
+def activation_dtype(path: CpuPath) -> torch.dtype:
+    """What a path's activations (and unquantized weights: norms, embeddings) are held in: float32 on the
+    row-wise kernel and for int8, else the dtype."""
+    return torch.float32 if path.dtype == INT8 or path.rowwise else FLOAT_DTYPES[path.dtype]
 
 
 def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     """Cast ``model`` in place to ``path``'s dtype and pack its linears if asked, giving a plain Llama the lean
     forward over them, packed or not (``forward.make_lean``)."""
-    model.to(activation_dtype(path.dtype))
-    if path.dtype != "float32" and not path.rowwise:  # PyTorch's int8 kernel too: it rounds to bfloat16 (INT8)
+    model.to(activation_dtype(path))
+    # Every path that rounds the linears' inputs to bfloat16 attends per query (``attention``): PyTorch's int8
+    # kernel too (INT8), and the row-wise bfloat16 one where attention is not the fused layers' own
+    if path.dtype == "bfloat16" or (path.dtype == INT8 and not path.rowwise):
         attention_in_float32(model)
     if path.packed:
         pack_linears(model, path.kernel)

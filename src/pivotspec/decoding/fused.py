@@ -60,10 +60,13 @@ def wanted() -> bool:
     return choice == "fused" and all(function(s) is not None for s in _SIGNATURES)
 
 
+_KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}  # rowwise.c's kinds of weights
+
+
 def _linear(kernel: Any) -> _Linear:
     return _Linear(kernel.packed.data_ptr(), 0 if kernel.scales is None else kernel.scales.data_ptr(),
-                   0 if kernel.bias is None else kernel.bias.data_ptr(), kernel.outputs, kernel.packed.shape[1],
-                   int(kernel.packed.dtype == torch.int8))
+                   0 if kernel.bias is None else kernel.bias.data_ptr(), kernel.outputs, kernel.in_features,
+                   _KINDS[kernel.packed.dtype])
 
 
 def on_rowwise(kernel: Any) -> bool:

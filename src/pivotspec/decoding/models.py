@@ -24,7 +24,7 @@ import torch
 
 from pivotspec.decoding.forward import cache_keyword, model_forward
 from pivotspec.decoding.machine import cache_dir
-from pivotspec.decoding.packing import int8_on_rowwise, weights_dtype
+from pivotspec.decoding.packing import lowp_on_rowwise, weights_dtype
 from pivotspec.decoding.sampling import argmax
 from pivotspec.errors import UsageError
 from pivotspec.store import content_digest
@@ -209,9 +209,11 @@ class LM:
 
     @property
     def placement(self) -> str:
-        """Device and dtype, as runs record them ("cpu float32", "cuda bfloat16"); int8 on the row-wise kernel
-        is "cpu int8 rowwise": its inputs stay float32 where PyTorch's int8 kernel ("cpu int8") rounds them."""
-        return f"{self.device.type} {self.weights_dtype}{' rowwise' * int8_on_rowwise(self.model)}"
+        """Device and dtype, as runs record them ("cpu float32", "cuda bfloat16"); int8 and bfloat16 on the
+        row-wise kernel are "cpu int8 rowwise" and "cpu bfloat16 rowwise": int8's inputs stay float32 where
+        PyTorch's int8 kernel ("cpu int8") rounds them, bfloat16's activations are float32 but for the
+        linears' inputs."""
+        return f"{self.device.type} {self.weights_dtype}{' rowwise' * lowp_on_rowwise(self.model)}"
 
     @property
     def num_layers(self) -> int:

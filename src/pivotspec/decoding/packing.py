@@ -9,8 +9,8 @@ freezing pass does for CPU linears), which ran those layers at 20-25 GB/s, bfloa
 brought the 6-row verification forward to 1.06-1.11x the 1-row one (benchmarks/cpu_forwards.py).
 The same layers may instead hold int8 weights (:func:`quantize`, ``--dtype int8``), or float32 weights, in
 panels computed by the row-wise kernel (``rowwise``), or int8 weights computed by PyTorch's weight-only int8
-kernel where that kernel does not build: the fast paths of CPUs without bfloat16 instructions. ``KERNELS``
-names the four.
+kernel where that kernel does not build: the fast paths of CPUs without bfloat16 instructions; or bfloat16
+weights in the row-wise kernel's panels (AVX512-BF16's dot product). ``KERNELS`` names the five.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ LONE_ROWS = 2  # the width before it is measured (and where none is exact): what
 ROW_LIMIT = 256  # the most rows one call may take (more go in chunks); how many are exact is measured below it
 MAX_ROWS = 128  # the limit before it is measured
 # what a packed linear computes with (:meth:`PackedCompute.hold`): oneDNN, PyTorch's int8 kernel, the row-wise
-# kernel over float32 or over int8 weights
-KERNELS = ("onednn", "int8", "rowwise", "rowwise-int8")
+# kernel over float32, int8 or bfloat16 weights
+KERNELS = ("onednn", "int8", "rowwise", "rowwise-int8", "rowwise-bf16")
 
 
 def weight_product(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
@@ -96,8 +96,9 @@ class PackedCompute:
     def hold(self, weight: torch.Tensor, kernel: str) -> None:
         """Keep ``weight`` [out, in] as ``kernel`` computes with it: oneDNN-packed (``onednn``), int8 with row
         scales (``int8``), or in the row-wise kernel's panels, float32 (``rowwise``) or int8 with row scales
-        (``rowwise-int8``; both need the C kernel built here). Both int8 kernels hold the same int8 weights and
-        scales (:func:`quantize`): PyTorch's rounds the inputs to bfloat16, the row-wise one keeps them float32."""
+        (``rowwise-int8``) or bfloat16 (``rowwise-bf16``: the inputs rounded to bfloat16 too; the three need
+        the C kernel built here). Both int8 kernels hold the same int8 weights and scales (:func:`quantize`):
+        PyTorch's rounds the inputs to bfloat16, the row-wise one keeps them float32."""
         if kernel not in KERNELS or (kernel.startswith("rowwise") and not rowwise.available()):
             raise UsageError(f"no {kernel!r} linear kernel here: use one of {', '.join(KERNELS[:2])}")
         self.kernel, self.outputs = kernel, weight.shape[0]
@@ -107,6 +108,8 @@ class PackedCompute:
                 self.packed, self.scales = rowwise.pack(self.packed), self.scales.float()
         elif kernel == "rowwise":
             self.packed = rowwise.pack(weight)
+        elif kernel == "rowwise-bf16":
+            self.packed = rowwise.pack(weight.detach().to(torch.bfloat16))
         else:
             self.packed = pack(weight)
 
@@ -226,16 +229,21 @@ def is_packed(model: nn.Module) -> bool:
 
 def weights_dtype(model: nn.Module) -> str:
     """The dtype a model computes in, as label files and eval runs record it: ``int8`` for weight-only int8
-    linears (the rest of such a model is float32, which is what ``model.dtype`` says), else ``model.dtype``."""
-    if any(k.scales is not None for k in packed_kernels(model)):
+    linears, ``bfloat16`` for bfloat16 row-wise ones (the rest of such a model is float32, which is what
+    ``model.dtype`` says), else ``model.dtype``."""
+    kernels = packed_kernels(model)
+    if any(k.scales is not None for k in kernels):
         return "int8"
+    if any(k.kernel == "rowwise-bf16" for k in kernels):
+        return "bfloat16"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def int8_on_rowwise(model: nn.Module) -> bool:
-    """Whether ``model``'s int8 linears run on the row-wise kernel (float32 inputs) rather than PyTorch's
-    (inputs rounded to bfloat16): the same int8 weights, other numbers, so runs record which."""
-    return any(k.kernel == "rowwise-int8" for k in packed_kernels(model))
+def lowp_on_rowwise(model: nn.Module) -> bool:
+    """Whether ``model``'s int8 or bfloat16 linears run on the row-wise kernel rather than PyTorch's or
+    oneDNN's: int8 with float32 inputs instead of bfloat16 ones, bfloat16 with float32 everywhere but the
+    linears' inputs; the same weights, other numbers, so runs record which."""
+    return any(k.kernel in ("rowwise-int8", "rowwise-bf16") for k in packed_kernels(model))
 
 
 def kernel_of(linear: nn.Module) -> PackedLinear | FusedLinears:

@@ -12,9 +12,14 @@ the target alone and batched rows equal rows alone at any number of rows. From a
 up (48 rows: 152 against 176 ms; 96 rows: 294 against 258), so :mod:`fastpath` weighs it by measurement like
 every other path.
 
-The same kernel reads int8 panels with a float32 scale per output (``--dtype int8``, ``packing.quantize``'s
-weights): a quarter of the bytes, the inputs kept float32, each row still alone. On the same CPU the testbed
-target's 1-token forward took 16.9 ms against 27.2 ms on PyTorch's int8 kernel and 25.2 ms on float32 panels
+The same kernel reads bfloat16 panels (``--dtype bfloat16``; auto weighs it where the CPU has AVX512-BF16):
+half of float32's bytes, each row's inputs rounded to bfloat16 and summed in pairs by AVX512-BF16's dot product
+(twice the multiply-adds of an FMA an instruction; emulated, to the bit, elsewhere), everything around the
+linears float32. On a 2-core AMD EPYC with AVX512-BF16 the testbed target's linears (a scratch script) took
+9.3 ms at 1 row against 16.3 on float32 panels, 10.0 against 17.7 at 6 rows and 38 against 67 at 48. It also
+reads int8 panels with a float32 scale per output (``--dtype int8``, ``packing.quantize``'s weights): a quarter
+of the bytes, the inputs kept float32, each row still alone. On the AVX2 EPYC the testbed target's 1-token
+forward took 16.9 ms on them against 27.2 ms on PyTorch's int8 kernel and 25.2 ms on float32 panels
 (benchmarks/cpu_forwards.py).
 """
 
@@ -34,40 +39,63 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 # x, rows, x's row stride, panels, outputs, width, [scales,] bias, out, out's row stride, threads
 _ARGS = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, ctypes.c_int]
 _INT8_ARGS = [*_ARGS[:6], _POINTER, *_ARGS[6:]]
+_BF16_ARGS = [*_ARGS, ctypes.c_int]  # ..., threads, emulated
+_SIGNATURES = {"linear": _ARGS, "linear_int8": _INT8_ARGS, "linear_bf16": _BF16_ARGS, "native_bf16": []}
 
 
 @functools.cache
 def kernel(symbol: str = "linear") -> ctypes._CFuncPtr | None:
-    """The compiled ``linear`` (float32 panels) or ``linear_int8`` function (built on first use), or None
-    where it cannot be built here."""
-    return compiled.load(SOURCE, symbol, _INT8_ARGS if symbol == "linear_int8" else _ARGS)
+    """The compiled ``linear`` (float32 panels), ``linear_int8``, ``linear_bf16`` or ``native_bf16`` function
+    (built on first use), or None where it cannot be built here."""
+    return compiled.load(SOURCE, symbol, _SIGNATURES[symbol])
 
 
 def available() -> bool:
     return kernel() is not None
 
 
+def native_bf16() -> bool:
+    """Whether bfloat16 panels run on AVX512-BF16's instructions here (else on their emulation: the same
+    numbers, about half the speed of float32 panels' multiply-adds)."""
+    return available() and bool(kernel("native_bf16")())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] as the kernel reads it: panels [ceil(out / 16), in, 16], each panel the next 16
-    outputs' weights interleaved by input (the last panel zero-padded), float32, or int8 for int8 weights."""
+    outputs' weights interleaved by input (the last panel zero-padded), float32, or int8 for int8 weights. A
+    bfloat16 weight goes in panels [ceil(out / 16), ceil(in / 2), 16, 2]: inputs 2i and 2i + 1 side by side for
+    each output (the odd tail's partner zero), subnormals as zero (AVX512-BF16 reads them so)."""
     outputs, width = weight.shape
     panels = -(-outputs // PANEL)
-    dtype = torch.int8 if weight.dtype == torch.int8 else torch.float32
+    dtype = weight.dtype if weight.dtype in (torch.int8, torch.bfloat16) else torch.float32
+    if dtype == torch.bfloat16:
+        w = weight.detach()
+        w = torch.where(w.float().abs() < torch.finfo(torch.bfloat16).tiny, torch.zeros_like(w), w)
+        padded = w.new_zeros((panels * PANEL, width + width % 2))
+        padded[:outputs, :width] = w
+        return padded.reshape(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
     padded = weight.detach().new_zeros((panels * PANEL, width), dtype=dtype)
     padded[:outputs] = weight.detach()
     return padded.reshape(panels, PANEL, width).transpose(1, 2).contiguous()
 
 
+def panel_width(panels: torch.Tensor) -> int:
+    """The input width panels were packed for (bfloat16's: rounded up to even)."""
+    return panels.shape[1] * (2 if panels.dtype == torch.bfloat16 else 1)
+
+
 def linear(flat: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, outputs: int,
-           scales: torch.Tensor | None = None) -> torch.Tensor:
+           scales: torch.Tensor | None = None, emulated: bool = False) -> torch.Tensor:
     """``flat @ W.T + bias`` for a float32 CPU ``flat`` [rows, in], ``W`` [outputs, in] packed by :func:`pack`
     (and ``bias`` [outputs]); int8 panels take ``scales`` [outputs], W being ``scales[:, None] * int8
-    weights``. Check :func:`available` first."""
+    weights``; bfloat16 panels round ``flat`` to bfloat16 (``emulated``: without AVX512-BF16's instructions
+    even where they run, the reference the tests hold them to). Check :func:`available` first."""
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows, width = flat.shape
     quantized = panels.dtype == torch.int8
-    if (flat.dtype != torch.float32 or panels.dtype not in (torch.float32, torch.int8) or panels.shape[1] != width
+    if (flat.dtype != torch.float32 or panels.dtype not in (torch.float32, torch.int8, torch.bfloat16)
+            or panel_width(panels) != width + width % 2 * (panels.dtype == torch.bfloat16)
             or panels.shape[0] * PANEL < outputs or quantized != (scales is not None)
             or (quantized and (scales.dtype != torch.float32 or scales.numel() < outputs))):
         raise ValueError(f"rowwise.linear takes float32 [rows, {panels.shape[1]}] inputs and weights packed by "
@@ -78,6 +106,8 @@ def linear(flat: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, 
         head = (flat.data_ptr(), rows, flat.stride(0), panels.data_ptr(), outputs, width)
         if quantized:
             kernel("linear_int8")(*head, scales.data_ptr(), *rest)
+        elif panels.dtype == torch.bfloat16:
+            kernel("linear_bf16")(*head, *rest, int(emulated))
         else:
             kernel()(*head, *rest)
     return out
