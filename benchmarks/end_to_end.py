@@ -3,10 +3,11 @@
     python benchmarks/end_to_end.py --repeats 2 --out benchmarks/results/end_to_end.json
 
 Each command runs as a new process (model loading and conversion included, the fast-path verdict already
-cached by an untimed warm-up) under three settings: float32 with plain linears (every pivotspec number before
+cached by an untimed warm-up) under these settings: float32 with plain linears (every pivotspec number before
 the fast path: ``PIVOTSPEC_DTYPE=float32 PIVOTSPEC_CPU_KERNELS=plain``), the CPU default (``--dtype auto``),
-the same with PyTorch's ops around the row-wise linears instead of the fused layers (``PIVOTSPEC_LAYERS=torch``),
-``--dtype bfloat16`` and ``--dtype int8`` (``--settings`` picks some). Repeats interleave the settings, order
+float32 on the row-wise kernel (float32's tokens, fastest where auto leaves float32), the same with PyTorch's
+ops around the row-wise linears instead of the fused layers (``PIVOTSPEC_LAYERS=torch``), ``--dtype bfloat16``
+and ``--dtype int8`` (``--settings`` picks some). Repeats interleave the settings, order
 alternating; the table gives median wall seconds and the ratio to float32 plain.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 SETTINGS = {
     "float32 plain": {"PIVOTSPEC_DTYPE": "float32", "PIVOTSPEC_CPU_KERNELS": "plain"},
     "auto": {"PIVOTSPEC_DTYPE": "auto"},
+    "float32 rowwise": {"PIVOTSPEC_DTYPE": "float32", "PIVOTSPEC_CPU_KERNELS": "rowwise"},  # float32's fastest tokens
     "auto (PyTorch's layer ops)": {"PIVOTSPEC_DTYPE": "auto", "PIVOTSPEC_LAYERS": "torch"},  # no fused layers
     "bfloat16": {"PIVOTSPEC_DTYPE": "bfloat16"},
     "int8": {"PIVOTSPEC_DTYPE": "int8"},

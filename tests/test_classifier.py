@@ -322,3 +322,10 @@ def test_cached_features_are_per_dtype(tiny_dir, tmp_path, monkeypatch):
     assert f32["hidden"].shape == bf16["hidden"].shape
     again = features.extract(load_lm(str(tiny_dir["llama_target"]), dtype="float32"), records, 2, cache_key="k")
     assert torch.equal(again["hidden"], f32["hidden"])
+    from pivotspec.decoding import rowwise
+
+    if rowwise.available():  # the suite's bfloat16 ran on the row-wise kernel (conftest); PyTorch's is another
+        monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "plain")
+        plain = features.extract(load_lm(str(tiny_dir["llama_target"]), dtype="bfloat16"), records, 2, cache_key="k")
+        assert len(list((tmp_path / "cache" / "features").iterdir())) == 3
+        assert not torch.equal(plain["hidden"], bf16["hidden"])

@@ -297,7 +297,7 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     monkeypatch.setenv("PIVOTSPEC_CACHE", str(tmp_path))
     lm = load_lm(str(tiny_dir["llama_draft"]), dtype="auto")
     entry = next(iter(json.loads((tmp_path / fastpath.CACHE_FILE).read_text()).values()))
-    assert str(lm.model.dtype).removeprefix("torch.") == entry["choice"]["dtype"]
+    assert lm.weights_dtype == entry["choice"]["dtype"]  # a row-wise bfloat16 model holds float32 parameters
     assert packing.is_packed(lm.model) == entry["choice"]["packed"]
     other = load_lm(str(tiny_dir["llama_draft"]), dtype="float32" if entry["choice"]["dtype"] != "float32"
                     else "bfloat16")
@@ -305,6 +305,7 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     assert a["dtype"] != b["dtype"]
     assert same_model(a, b)  # the same weights: labels made in one dtype train a classifier in the other
     assert not same_run(a, b)  # but a labels file does not resume in another dtype
+    b = {k: v for k, v in b.items() if k != "kernel"}  # as PyTorch's kernels record it (below: the row-wise one)
     old = {k: v for k, v in b.items() if k != "dtype"}  # written before dtypes were recorded: all float32
     assert same_run(old, {**b, "dtype": "float32"}) and not same_run(old, {**b, "dtype": "bfloat16"})
     from pivotspec.labels.walk import identity_diff
@@ -313,6 +314,12 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     assert identity_diff({"target": {**b, "dtype": "float32"}}, {"target": {**b, "dtype": "bfloat16"}}) == [
         "target dtype (float32 there, bfloat16 here: --dtype float32 matches it)"]
     assert identity_diff({"target": a}, {"target": {**a, "weights": "other"}}) == ["target"]
+    # int8 and bfloat16 on the row-wise kernel compute other numbers than PyTorch's or oneDNN's: never resumed
+    packed, rows = {**b, "dtype": "bfloat16"}, {**b, "dtype": "bfloat16", "kernel": "rowwise"}
+    assert same_model(packed, rows) and not same_run(packed, rows) and same_run(rows, dict(rows))
+    assert identity_diff({"target": packed}, {"target": rows}) == [
+        "target dtype (bfloat16 there, bfloat16 rowwise here: --dtype bfloat16 with PIVOTSPEC_CPU_KERNELS=packed "
+        "matches it)"]
 
 
 INT8_KERNELS = ["int8", pytest.param("rowwise-int8", marks=NO_CC)]

@@ -116,9 +116,12 @@ def extract(target: LM, records: list[dict], layer: int, draft: LM | None = None
     if cache_key:
         # device and dtype too: bfloat16 hidden states are other features than float32 ones (an AUROC measured
         # in bfloat16 must not read float32's cached rows)
-        # (written as str(model.dtype) wrote it before int8 existed, so the cached rows stay valid)
+        # (written as str(model.dtype) wrote it before int8 existed, so the cached rows stay valid; int8 and
+        # bfloat16 on the row-wise kernel compute other numbers than on PyTorch's or oneDNN's: " rowwise")
+        rowwise = " rowwise" if target.placement.endswith(" rowwise") else ""
         ident = json.dumps([FEATURES_VERSION, cache_key, target.name, target.num_layers, target.d_model, layer,
-                            draft.name if draft else None, target.device.type, f"torch.{target.weights_dtype}"])
+                            draft.name if draft else None, target.device.type,
+                            f"torch.{target.weights_dtype}{rowwise}"])
         path = cache_dir() / "features" / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.safetensors"
         if path.is_file():
             return {**load_file(str(path)), "context": context_columns(cands)}

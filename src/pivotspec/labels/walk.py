@@ -111,8 +111,11 @@ def success_rates(task: Task, problem: Problem, tokenizer: Any, generated: list[
 def model_identity(lm: LM) -> dict:
     """What a label or a classifier was made with: the model's name, shape, a fingerprint of its weights (a
     retrained model keeps its name and shape) and the dtype it computed in."""
-    return {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size,
-            "weights": lm.weights_fingerprint, "dtype": lm.weights_dtype}
+    identity = {"name": lm.name, "num_layers": lm.num_layers, "d_model": lm.d_model, "vocab_size": lm.vocab_size,
+                "weights": lm.weights_fingerprint, "dtype": lm.weights_dtype}
+    if lm.placement.endswith(" rowwise"):  # int8 or bfloat16 on the row-wise kernel: its own numbers (LM.placement)
+        identity["kernel"] = "rowwise"
+    return identity
 
 
 def same_model(a: dict | None, b: dict | None) -> bool:
@@ -125,12 +128,17 @@ def same_model(a: dict | None, b: dict | None) -> bool:
 
 
 def same_run(a: dict | None, b: dict | None) -> bool:
-    """The same weights computing in the same dtype: what resuming a labels file needs, since rollouts in
-    another dtype sample other tokens. Files from before the dtype was recorded were all float32."""
-    def dtype(m: dict | None) -> str | None:
-        return m.get("dtype", "float32") if isinstance(m, dict) else None
+    """The same weights computing in the same dtype, on the same kind of kernel where that changes the numbers
+    (int8 and bfloat16 on the row-wise kernel): what resuming a labels file needs, since rollouts computed
+    otherwise sample other tokens. Files from before the dtype was recorded were all float32."""
+    return same_model(a, b) and computed_in(a) == computed_in(b)
 
-    return same_model(a, b) and dtype(a) == dtype(b)
+
+def computed_in(m: dict | None) -> str | None:
+    """A model identity's dtype, with " rowwise" for int8 or bfloat16 on the row-wise kernel."""
+    if not isinstance(m, dict):
+        return None
+    return m.get("dtype", "float32") + (" rowwise" if m.get("kernel") == "rowwise" else "")
 
 
 def identity_diff(a: dict, b: dict) -> list[str]:
@@ -142,8 +150,11 @@ def identity_diff(a: dict, b: dict) -> list[str]:
         if same_run(a.get(k), b.get(k)):
             return None
         if same_model(a.get(k), b.get(k)):
-            dtypes = [m.get("dtype", "float32") for m in (a[k], b[k])]
-            return f"{k} dtype ({dtypes[0]} there, {dtypes[1]} here: --dtype {dtypes[0]} matches it)"
+            there, here = computed_in(a[k]), computed_in(b[k])
+            fix = f"--dtype {a[k].get('dtype', 'float32')}"
+            if a[k].get("kernel") != b[k].get("kernel"):
+                fix += f" with PIVOTSPEC_CPU_KERNELS={a[k].get('kernel', 'packed')}"
+            return f"{k} dtype ({there} there, {here} here: {fix} matches it)"
         return k
 
     return sorted(n for n in map(named, IDENTITY) if n)
