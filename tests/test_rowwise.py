@@ -5,11 +5,16 @@ the target alone and batched rows equal to rows alone on the path that uses it (
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pivotspec.decoding import rowwise
+from pivotspec.decoding import compiled, rowwise
+from pivotspec.decoding.machine import cpu_flags
 from pivotspec.decoding.packing import quantize
 
 pytestmark = pytest.mark.skipif(not rowwise.available(), reason="no C compiler to build the row-wise kernel")
@@ -95,6 +100,33 @@ def test_avx512_bf16_computes_what_its_emulation_computes(rows, width):
     normal[-1] = 0.0 if rows > 1 else normal[-1]
     torch.testing.assert_close(native, F.linear(normal.to(torch.bfloat16).float(), w.to(torch.bfloat16).float()),
                                rtol=1e-5, atol=1e-5 * native.abs().max().item())
+
+
+# instruction sets a bfloat16 linear may be built for, and the CPU flags running each needs
+ISAS = {"haswell": {"avx2", "fma"}, "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or compiled.compiler() is None, reason="x86-64 builds only")
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_panels_give_the_same_bits_built_for_any_vector_width(tmp_path, isa):
+    """The kernel built for AVX2 (8 lanes) or AVX-512 without BF16 (16 lanes, emulated) computes what this
+    machine's build computes, AVX512-BF16's instruction included: a bfloat16 model's numbers do not depend on
+    which x86 CPU it runs on."""
+    if not ISAS[isa] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run {isa} code")
+    library = tmp_path / f"rowwise-{isa}.so"
+    flags = [f if f != "-march=native" else f"-march={isa}" for f in compiled.FLAGS]
+    subprocess.run([compiled.compiler(), *flags, "-o", str(library), str(rowwise.SOURCE), "-lm"], check=True)
+    other = ctypes.CDLL(str(library)).linear_bf16
+    gen = torch.Generator().manual_seed(3)
+    for rows, width, outputs in [(1, 576, 1536), (6, 77, 300), (13, 1536, 100)]:
+        x = torch.randn(rows, width, generator=gen) * torch.logspace(-3, 3, width)
+        panels = rowwise.pack(torch.randn(outputs, width, generator=gen).to(torch.bfloat16))
+        out = torch.empty(rows, outputs)
+        other(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(rows), ctypes.c_int64(width),
+              ctypes.c_void_p(panels.data_ptr()), ctypes.c_int64(outputs), ctypes.c_int64(width), None,
+              ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(outputs), ctypes.c_int(2), ctypes.c_int(0))
+        assert torch.equal(out, rowwise.linear(x, panels, None, outputs)), (isa, rows, width)
 
 
 def test_bad_input_is_refused():
