@@ -79,8 +79,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "auto: CUDA if available, else CPU)")
     g.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16 or int8 (default: "
                    "$PIVOTSPEC_DTYPE, else bfloat16 on CUDA and auto elsewhere: on a CPU, the fastest of float32 with "
-                   "plain, oneDNN-packed or row-wise linears and, where the CPU has bfloat16 instructions, packed "
-                   "bfloat16, measured once per machine and model; int8, CPU only and never chosen by auto: "
+                   "plain, oneDNN-packed or row-wise linears and, where the CPU has bfloat16 instructions, bfloat16 on "
+                   "the row-wise kernel or packed, measured once per machine and model; bfloat16 alone: the row-wise "
+                   "kernel where it builds (other activations float32); int8, CPU only and never chosen by auto: "
                    "weight-only int8 linears, other tokens than the checkpoint's)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 

@@ -316,8 +316,10 @@ class LM:
 def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None) -> LM:
     """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (on a CPU,
     the fastest of float32 with plain, oneDNN-packed or row-wise linears and, where the CPU has bfloat16
-    instructions and the model no sliding window, packed bfloat16, measured once per machine and model, see
-    ``fastpath``; bfloat16 on CUDA; float32 on MPS), ``float32``, ``bfloat16``, ``float16`` or ``int8`` (CPU
+    instructions and the model no sliding window, bfloat16 on the row-wise kernel or packed, measured once per
+    machine and model, see ``fastpath``; bfloat16 on CUDA; float32 on MPS), ``float32``, ``bfloat16`` (on a
+    CPU the row-wise kernel's bfloat16 where it builds: bfloat16 weights and linear inputs, every other
+    activation float32), ``float16`` or ``int8`` (CPU
     only: weight-only int8 linears on float32 activations, in the row-wise kernel, or PyTorch's int8 kernel,
     which rounds them to bfloat16, where that does not build; opt-in, never chosen by auto); None reads
     ``$PIVOTSPEC_DTYPE``, else auto. Errors are one-line UsageErrors."""
