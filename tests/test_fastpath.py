@@ -493,11 +493,12 @@ def test_rows_take_a_shared_prefix_and_still_equal_batch1(tiny_dir, attention, m
 
 
 @pytest.mark.slow  # real models
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "int8", ON_BF16_ROWWISE])
 def test_testbed_batched_rows_equal_batch1_in_bfloat16_and_int8(attention, dtype, monkeypatch):
-    if dtype == "int8" and attention[0] == "torch":
-        pytest.skip("int8 runs the attention kernel here; the per-query PyTorch calls are bfloat16's test")
-    pinned(dtype, monkeypatch)
+    if dtype in ("int8", "bf16-rowwise") and attention[0] == "torch":
+        pytest.skip("int8 and bfloat16 rowwise run the attention kernel here; the per-query PyTorch calls are packed "
+                    "bfloat16's test")
+    dtype = pinned(dtype, monkeypatch)
     from pivotspec import api
     from pivotspec.decoding.batch import Request
     from pivotspec.decoding.models import eos_ids
