@@ -1,7 +1,7 @@
 """The row-wise linear (``decoding/rowwise.c``), over float32, int8 or bfloat16 weights: it computes the linear,
 and each row gets the same bits whatever shares its call (rows, widths, threads), which is what keeps greedy SD equal to
 the target alone and batched rows equal to rows alone on the path that uses it (decoded on it:
-``test_fastpath``'s exactness tests)."""
+``test_exactness``)."""
 
 from __future__ import annotations
 

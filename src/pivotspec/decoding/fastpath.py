@@ -10,9 +10,10 @@ Which kernels win depends on the CPU and on the model's shapes, so :func:`choose
 forwards of each candidate and keeps the fastest, caching the verdict in ``$PIVOTSPEC_CACHE/fastpath.json``
 under a key of the CPU, torch version, thread count and model files. Auto weighs bfloat16 (on the row-wise
 kernel's AVX512-BF16 dot product, and oneDNN-packed) beside float32 where the CPU has bfloat16 instructions
-(AVX512-BF16 or AMX), and takes it only when it saves ``OTHER_DTYPE_SAVING`` of the time; it keeps to float32 elsewhere and for models with sliding windows;
-``--dtype`` pins one. Two things keep greedy SD equal to the target alone, and
-batched rows equal to rows decoded alone, within a dtype: a lone row is computed at a width that gives it the
+(AVX512-BF16 or AMX), and takes it only when it saves ``OTHER_DTYPE_SAVING`` of the time; it keeps to
+float32 elsewhere and for models with sliding windows; ``--dtype`` pins one. On packed paths two things keep
+greedy SD equal to the target alone, and batched rows equal to rows decoded alone, within a dtype (the
+row-wise kernel computes each row alone by construction): a lone row is computed at a width that gives it the
 many-row kernel's numbers, the fastest such width measured per machine (:func:`packed_linear`,
 :func:`exact_lone_widths`), and short blocks attend each query in float32 over exactly its keys
 (``attention.sdpa_in_float32``, through the compiled ``query_attention`` kernel where a C compiler is found);
