@@ -260,7 +260,7 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
     the least time for a 1-token plus a 6-token forward, where auto takes another dtype than float32 only
     when it saves ``OTHER_DTYPE_SAVING`` of that time. ``dtype`` restricts the choice to that dtype's
     kernels (packed or not); ``$PIVOTSPEC_CPU_KERNELS`` pins the kernels without measuring: plain, packed
-    (oneDNN; for int8 PyTorch's int8 kernel) or rowwise (float32 or int8; where it does not build, the
+    (oneDNN; for int8 PyTorch's int8 kernel) or rowwise (float32, int8 or bfloat16; where it does not build, the
     dtype's first candidate). ``store``: the JSON file of verdicts."""
     paths = candidates(capabilities(), dtype, has_sliding_window(model.config))
     kernels = os.environ.get("PIVOTSPEC_CPU_KERNELS", "auto")
