@@ -230,7 +230,7 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
 
 def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "auto")  # the suite pins kernels (conftest)
-    from pivotspec.labels.walk import model_identity, same_model, same_run
+    from pivotspec.labels.identity import model_identity, same_model, same_run
 
     monkeypatch.setenv("PIVOTSPEC_CACHE", str(tmp_path))
     lm = load_lm(str(tiny_dir["llama_draft"]), dtype="auto")
@@ -246,7 +246,7 @@ def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, m
     b = {k: v for k, v in b.items() if k != "kernel"}  # as PyTorch's kernels record it (below: the row-wise one)
     old = {k: v for k, v in b.items() if k != "dtype"}  # written before dtypes were recorded: all float32
     assert same_run(old, {**b, "dtype": "float32"}) and not same_run(old, {**b, "dtype": "bfloat16"})
-    from pivotspec.labels.walk import identity_diff
+    from pivotspec.labels.identity import identity_diff
 
     # the one-line refusal names the dtype and the fix, not just "a different target"
     assert identity_diff({"target": {**b, "dtype": "float32"}}, {"target": {**b, "dtype": "bfloat16"}}) == [

@@ -139,7 +139,7 @@ def test_labels_and_classifiers_of_other_weights_of_the_same_target_are_refused(
     from pivotspec.classifier.training import check_labels_target
     from pivotspec.decoding.models import load_lm
     from pivotspec.errors import UsageError
-    from pivotspec.labels.walk import model_identity
+    from pivotspec.labels.identity import model_identity
     from tests.test_classifier import trained_classifier
 
     target = load_lm(str(tiny_dir["llama_target"]))

@@ -94,7 +94,7 @@ def label(pair: Pair, out: str | Path, *, task: str = "arith", split: str = "tra
 
 def labels_dtype(path: str | Path) -> str | None:
     """The dtype a labels file's target computed in (None: no file yet, or not a labels file). A resumed run
-    must compute in it, or its rollouts would not be the ones the file holds (``walk.identity_diff``), so
+    must compute in it, or its rollouts would not be the ones the file holds (``identity.identity_diff``), so
     ``pivotspec label`` takes it when ``--dtype`` is not given: auto may choose another dtype on another CPU."""
     if not exists(Path(path)):
         return None

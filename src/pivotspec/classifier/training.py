@@ -150,7 +150,7 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
     """Extract features, split by problem, sweep, calibrate sigma on selection, report on the report split,
     save to ``out``; returns the stored config. The caller (``api.train_classifier``) has checked the labels
     file, ``out`` and the settings."""
-    from pivotspec.labels.walk import model_identity
+    from pivotspec.labels.identity import model_identity
 
     if (kind == "extended" or compare_types) and draft is None:
         raise UsageError("classifier type 'extended' (and --compare-types) needs the draft: pass --draft or --pair")
@@ -213,7 +213,7 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
 
 def check_labels_target(records: list[dict], target: LM, path: Path) -> None:
     """Labels made with another target describe that model's rollouts, not this one's."""
-    from pivotspec.labels.walk import model_identity, same_model
+    from pivotspec.labels.identity import model_identity, same_model
 
     made_with = next((r.get("target") for r in records if r.get("type") == "candidate"), None)
     mine = model_identity(target)

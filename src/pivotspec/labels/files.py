@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pivotspec.errors import UsageError
-from pivotspec.labels.walk import identity_diff, is_pivot
+from pivotspec.labels.identity import identity_diff
+from pivotspec.labels.walk import is_pivot
 from pivotspec.store import exists, read_records
 
 
