@@ -147,8 +147,12 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
                 else if (Q == I8) wv[p * VECTORS + v] = load_int8((const int8_t *)w + at);
                 else {  /* LANES outputs' pairs: input 2k's weight in the low half, 2k + 1's in the high */
                     vu u = *(const vu_unaligned *)((const uint16_t *)w + 2 * at);
-                    wv[p * VECTORS + v] = (vf)u;
-                    odd[p * VECTORS + v] = (vf)(u & 0xffff0000u);
+                    if (Q == BF16 && NATIVE_BF16) {
+                        wv[p * VECTORS + v] = (vf)u;  /* the pairs as the instruction reads them */
+                    } else {  /* each half as a float32, once for every row */
+                        wv[p * VECTORS + v] = (vf)(u << 16);
+                        odd[p * VECTORS + v] = (vf)(u & 0xffff0000u);
+                    }
                 }
             }
         for (int r = 0; r < R; r++) {
@@ -169,7 +173,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
             vf x_odd = splat(from_bits(pair & 0xffff0000u)), x_even = splat(from_bits(pair << 16));
             for (int j = 0; j < P * VECTORS; j++) {
                 acc[r][j] = multiply_add(acc[r][j], x_odd, odd[j]);
-                acc[r][j] = multiply_add(acc[r][j], x_even, (vf)((vu)wv[j] << 16));
+                acc[r][j] = multiply_add(acc[r][j], x_even, wv[j]);
             }
         }
     }
