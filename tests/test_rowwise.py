@@ -147,3 +147,17 @@ def test_bad_input_is_refused():
     assert rowwise.linear(torch.randn(2, 7), bf16_panels, None, 4).shape == (2, 4)
     with pytest.raises(ValueError, match="float32"):
         rowwise.linear(torch.randn(2, 9), bf16_panels, None, 4)
+
+
+def test_a_buffer_it_cannot_allocate_raises_instead_of_returning_garbage(monkeypatch):
+    """The bfloat16 call rounds its inputs into a buffer of rows x inputs x 2 bytes; where that malloc fails
+    the kernel returns 1 before reading or writing anything, and every caller raises MemoryError."""
+    panels = rowwise.pack(torch.randn(4, 16).to(torch.bfloat16))
+    x, out = torch.randn(1, 16), torch.empty(1, 4)
+    huge = 1 << 42  # 2^42 rows x 8 pairs x 4 bytes: 128 PiB, more than any machine holds
+    status = rowwise.kernel("linear_bf16")(x.data_ptr(), huge, 16, panels.data_ptr(), 4, 16, None,
+                                           out.data_ptr(), 4, 1, 0)
+    assert status == 1
+    monkeypatch.setattr(rowwise, "kernel", lambda symbol="linear": lambda *args: 1)
+    with pytest.raises(MemoryError, match="fewer rows"):
+        rowwise.linear(x, panels, None, 4)

@@ -109,17 +109,18 @@ class FusedLayers:
         """Layer ``index``'s q, k and v [tokens, q + k + v] of ``x`` [tokens, d], q's and k's heads turned by
         ``cos`` and ``signed_sin`` [tokens, head_dim] (``forward.signed``); ``normed`` [tokens, d] is scratch."""
         qkv = x.new_empty((x.shape[0], self.qkv_size))
-        self.front_call(self.addresses[index], x.data_ptr(), x.shape[0],
-                        cos.data_ptr(), signed_sin.data_ptr(), self.turned, self.head_dim, normed.data_ptr(),
-                        qkv.data_ptr(), torch.get_num_threads())
+        rowwise.checked(self.front_call(self.addresses[index], x.data_ptr(), x.shape[0], cos.data_ptr(),
+                                        signed_sin.data_ptr(), self.turned, self.head_dim, normed.data_ptr(),
+                                        qkv.data_ptr(), torch.get_num_threads()))
         return qkv
 
     def back(self, index: int, x: torch.Tensor, attended: torch.Tensor, scratch: dict[str, torch.Tensor]) -> None:
         """``x`` [tokens, d] plus the rest of layer ``index`` over ``attended`` [tokens, heads * head_dim], in
         place; ``scratch`` from :meth:`scratch`."""
-        self.back_call(self.addresses[index], x.data_ptr(), x.shape[0],
-                       attended.data_ptr(), scratch["normed"].data_ptr(), scratch["delta"].data_ptr(),
-                       scratch["hidden"].data_ptr(), scratch["act"].data_ptr(), torch.get_num_threads())
+        rowwise.checked(self.back_call(self.addresses[index], x.data_ptr(), x.shape[0], attended.data_ptr(),
+                                       scratch["normed"].data_ptr(), scratch["delta"].data_ptr(),
+                                       scratch["hidden"].data_ptr(), scratch["act"].data_ptr(),
+                                       torch.get_num_threads()))
 
     def scratch(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         tokens = x.shape[0]

@@ -279,8 +279,9 @@ typedef struct {
     Linear qkv, out, gate_up, down;
 } Layer;
 
-static void apply(const Linear *l, const float *x, int64_t rows, float *out, int threads) {
-    run(x, rows, l->width, l->w, l->outputs, l->width, l->scales, l->bias, out, l->outputs, threads, (int)l->q);
+/* 0, or 1 where the bfloat16 inputs' buffer could not be allocated (the callers raise MemoryError) */
+static int apply(const Linear *l, const float *x, int64_t rows, float *out, int threads) {
+    return run(x, rows, l->width, l->w, l->outputs, l->width, l->scales, l->bias, out, l->outputs, threads, (int)l->q);
 }
 
 /* y = w * (x / sqrt(mean(x^2) + eps)) row by row, as LlamaRMSNorm computes it in float32 */
@@ -315,7 +316,7 @@ int layer_front(const Layer *L, const float *x, int64_t rows, const float *cos, 
                 int64_t turned, int64_t dim, float *normed, float *qkv, int threads) {
     if (dim > 1024) return 1;
     norm(x, rows, L->qkv.width, L->norm_in, L->eps_in, normed);
-    apply(&L->qkv, normed, rows, qkv, threads);
+    if (apply(&L->qkv, normed, rows, qkv, threads)) return 1;
     rotate(qkv, rows, L->qkv.outputs, turned, dim, cos, signed_sin);
     return 0;
 }
@@ -329,16 +330,16 @@ static void add(float *x, const float *delta, int64_t n) {
 int layer_back(const Layer *L, float *x, int64_t rows, const float *attended, float *normed, float *delta,
                float *hidden, float *act, int threads) {
     int64_t d = L->out.outputs, inter = L->down.width;
-    apply(&L->out, attended, rows, delta, threads);
+    if (apply(&L->out, attended, rows, delta, threads)) return 1;
     add(x, delta, rows * d);
     norm(x, rows, d, L->norm_post, L->eps_post, normed);
-    apply(&L->gate_up, normed, rows, hidden, threads);
+    if (apply(&L->gate_up, normed, rows, hidden, threads)) return 1;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < inter; i++) {
             float g = hidden[r * 2 * inter + i];
             act[r * inter + i] = g / (1.0f + expf(-g)) * hidden[r * 2 * inter + inter + i];
         }
-    apply(&L->down, act, rows, delta, threads);
+    if (apply(&L->down, act, rows, delta, threads)) return 1;
     add(x, delta, rows * d);
     return 0;
 }

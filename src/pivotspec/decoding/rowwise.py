@@ -50,6 +50,14 @@ def kernel(symbol: str = "linear") -> ctypes._CFuncPtr | None:
     return compiled.load(SOURCE, symbol, _SIGNATURES[symbol])
 
 
+def checked(status: int) -> None:
+    """Raise where a kernel call returned non-zero: it could not allocate the buffer its bfloat16 inputs are
+    rounded into (rows x inputs x 2 bytes), and wrote nothing."""
+    if status:
+        raise MemoryError("the row-wise kernel could not allocate its bfloat16 inputs' buffer; "
+                          "decode fewer rows at once (a smaller --batch-size or --max-batch)")
+
+
 def available() -> bool:
     return kernel() is not None
 
@@ -103,9 +111,9 @@ def linear(flat: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, 
         rest = (None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
         head = (flat.data_ptr(), rows, flat.stride(0), panels.data_ptr(), outputs, width)
         if quantized:
-            kernel("linear_int8")(*head, scales.data_ptr(), *rest)
+            checked(kernel("linear_int8")(*head, scales.data_ptr(), *rest))
         elif panels.dtype == torch.bfloat16:
-            kernel("linear_bf16")(*head, *rest, int(emulated))
+            checked(kernel("linear_bf16")(*head, *rest, int(emulated)))
         else:
-            kernel()(*head, *rest)
+            checked(kernel()(*head, *rest))
     return out
