@@ -248,3 +248,19 @@ def test_a_compressed_run_is_read_and_resumed(tiny_dir, data, tmp_path, capsys):
     assert api.read_results(plain) == rows
     assert main(eval_args(tiny_dir, data, out)) == 0
     assert read_records(plain) == rows and not (out / "results.jsonl.gz").exists()
+
+
+def test_the_gz_name_reads_the_same_file_as_the_plain_name(tmp_path):
+    """A user may pass the committed ``labels.jsonl.gz`` itself: the same records, the same content hash."""
+    import gzip
+
+    from pivotspec import store
+
+    plain = tmp_path / "l.jsonl"
+    plain.write_text('{"a": 1}\n{"a": 2}\n')
+    digest = store.content_digest(plain)
+    gz = tmp_path / "l.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
+    assert store.exists(gz) and store.read_records(gz) == [{"a": 1}, {"a": 2}]
+    assert store.content_digest(gz) == store.content_digest(plain) == digest

@@ -6,7 +6,8 @@ warning) and cuts the file back to the last complete record, so a rerun appends 
 A finished file may be stored compressed beside its name (``results.jsonl.gz``, made with ``gzip -9n``: the
 benchmark rows and labels files kept in the repository are, so the tracked tree fits a device call):
 ``exists``, ``read_records`` and ``open_bytes`` see it when the plain file is absent, and ``open_for_append``
-restores the plain file first, so a rerun resumes.
+restores the plain file first, so a rerun resumes. Each takes either name (``plain``): a user who passes the
+``.gz`` file gets the same records and the same content hash as one who passes the plain name.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from typing import Any, BinaryIO, TextIO
 from pivotspec.errors import UsageError
 
 
+def plain(path: Path) -> Path:
+    """The plain name of ``path`` (``labels.jsonl`` for ``labels.jsonl.gz``; any other name as it is)."""
+    path = Path(path)
+    return path.with_name(path.name[:-3]) if path.name.endswith(".jsonl.gz") else path
+
+
 def compressed(path: Path) -> Path:
     """Where ``path`` is kept compressed."""
     return path.with_name(path.name + ".gz")
@@ -30,13 +37,14 @@ def compressed(path: Path) -> Path:
 
 def exists(path: Path) -> bool:
     """Whether ``path`` is there as a plain file or compressed beside its name."""
-    return Path(path).is_file() or compressed(Path(path)).is_file()
+    path = plain(path)
+    return path.is_file() or compressed(path).is_file()
 
 
 def open_bytes(path: Path) -> BinaryIO:
     """``path`` open for reading its plain bytes, from the compressed copy when the plain file is absent (so a
     file's content hash is the same either way)."""
-    path = Path(path)
+    path = plain(path)
     return path.open("rb") if path.exists() else gzip.open(compressed(path), "rb")
 
 
@@ -65,6 +73,7 @@ def restore(path: Path) -> None:
 def read_records(path: Path, repair: bool = True) -> list[dict[str, Any]]:
     """All complete records of ``path``, or of its compressed copy when only that exists ([] if neither does).
     A malformed line before the last is a UsageError: that file was not written by us or was edited by hand."""
+    path = plain(path)
     if not path.exists():
         if compressed(path).is_file():
             return parse_records(gzip.decompress(compressed(path).read_bytes()), compressed(path), repair=False)
@@ -118,6 +127,7 @@ def open_for_append(path: Path, overwrite: bool = False) -> Iterator[TextIO]:
     """``path`` open for appending and locked while the block runs; ``overwrite`` empties it first. The lock
     comes before anything reads the file, so a second run cannot cut the first's half-written last line
     while checking what is there."""
+    path = plain(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     restore(path)
     with path.open("a") as fh:
