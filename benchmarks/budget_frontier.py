@@ -9,13 +9,14 @@ classifier saw and measured on the test problems (issue 30).
    problems drawn with ``--select-seed`` (1: problems the labels, drawn with seed 0, never contain), beside
    `ar` and `sd`. Per classifier and per kind (sigma, budget, both), the chosen point is the highest eta within
    ``--within`` of `ar`'s accuracy on those problems (none there: the most accurate one).
-2. Test: `ar`, `sd`, the rules (``--rule``, at the knob values of the README's testbed-hard table) and every
+2. Test: `ar`, `sd`, the rules (``--rule``, default: knob values from the pair's README table) and every
    chosen point on the ``--n`` test problems (seed 0, the README's), all greedy at gamma 5 and decoded in
    batches of ``--batch-size`` (same tokens as batch 1; eta and tau, not wall-clock speedups: batched rows
    overlap in time). Accuracy differences get McNemar's exact test, paired by problem, against `ar`.
 
-Each classifier's runs go to RESULTS/budget_frontier/<stage>-<name>/ (resumable, like `pivotspec eval
---out`); the table is printed and written to RESULTS/<--name>.json (default budget_frontier.json).
+Each classifier's runs go to RESULTS/budget_frontier/<stage>-<name>/ for testbed-hard and to
+RESULTS/budget_frontier-<pair>/<stage>-<name>/ for another pair (resumable, like `pivotspec eval --out`); the
+table is printed and written to RESULTS/<--name>.json (default budget_frontier.json).
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ from pathlib import Path
 
 from pivotspec import api
 
-# the README table's best rule within 1 point of ar, and the rule nearest eta 0.75
-RULES = ["ensemble:w=0.5", "threshold:threshold=0.1"]
+# per pair, the rules of its README table worth measuring beside PAD: on testbed-hard the best rule within 1 point
+# of ar and the rule nearest eta 0.75; on testbed (arith) every family's points within 1 point of ar and
+# threshold(0.1), the rule whose eta passes PAD's 0.895
+RULES = {"testbed-hard": ["ensemble:w=0.5", "threshold:threshold=0.1"],
+         "testbed": ["typical:epsilon=0.3,delta=0.5477", "topk:k=5,ratio=0.5", "threshold:threshold=0.3",
+                     "threshold:threshold=0.1", "ensemble:w=0.5", "divergence:threshold=0.1,divergence=js"]}
 
 
 def run(pair: api.Pair, task: str, split: str, n: int, seed: int, batch: int, out: Path,
@@ -109,7 +114,9 @@ def main() -> None:
                     "inside the budget")
     ap.add_argument("--more-sigmas", default="", help="sigmas added after a first selection run (their own run)")
     ap.add_argument("--test-kinds", default="sigma,budget,both", help="which kinds' chosen points the test runs")
-    ap.add_argument("--rule", action="append", default=None, help=f"baseline spec (default: {', '.join(RULES)})")
+    ap.add_argument("--rule", action="append", default=None,
+                    help="baseline spec, repeatable (default: the pair's README rules: "
+                    + "; ".join(f"{p}: {', '.join(r)}" for p, r in RULES.items()) + ")")
     ap.add_argument("--select-n", type=int, default=100)
     ap.add_argument("--select-seed", type=int, default=1)
     ap.add_argument("--n", type=int, default=200)
@@ -128,7 +135,7 @@ def main() -> None:
     more = [float(x) for x in args.more_sigmas.split(",") if x]
     task = api.pair_task(args.pair)
     pair = api.load_pair(pair=args.pair, threads=args.threads, dtype=args.dtype)
-    root = args.results / "budget_frontier"
+    root = args.results / ("budget_frontier" if args.pair == "testbed-hard" else f"budget_frontier-{args.pair}")
 
     # 1. selection
     base = api.method_specs(pair, "ar,sd")
@@ -160,7 +167,7 @@ def main() -> None:
         return
 
     # 2. test: ar, sd and the rules once; each classifier's chosen points
-    rules = args.rule or RULES
+    rules = args.rule or RULES.get(args.pair, RULES["testbed-hard"])
     base = api.method_specs(pair, "ar,sd", baselines=rules)
     test_rows = run(pair, task, "test", args.n, 0, args.batch_size, root / "test-base", base, None)
     for name, path in classifiers.items():
