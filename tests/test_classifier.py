@@ -329,3 +329,41 @@ def test_cached_features_are_per_dtype(tiny_dir, tmp_path, monkeypatch):
         plain = features.extract(load_lm(str(tiny_dir["llama_target"]), dtype="bfloat16"), records, 2, cache_key="k")
         assert len(list((tmp_path / "cache" / "features").iterdir())) == 3
         assert not torch.equal(plain["hidden"], bf16["hidden"])
+
+
+def test_a_pivot_rule_relabels_candidates_from_their_stored_utilities(tiny_dir, tmp_path, capsys):
+    """``--pivot-rule mul:0.8`` turns a moderate drop (0.9 -> 0.6), a non-pivot under the files' mul 0.5, into a
+    pivot before the splits, the sweep and sigma see it; the rule is recorded, and a bad one is a one-line error."""
+    from pivotspec.classifier.training import Filters
+    from pivotspec.errors import UsageError
+
+    feats = {"u_acc": torch.tensor([0.1, 0.6, 0.9]), "u_rej": torch.tensor([0.9, 0.9, 0.9]),
+             "labels": torch.tensor([1, 0, 0])}
+    assert Filters().relabel(feats)["labels"].tolist() == [1, 0, 0]
+    assert Filters(pivot_rule="mul:0.8").relabel(feats)["labels"].tolist() == [1, 1, 0]
+    assert Filters(pivot_rule="add:0.2").relabel(feats)["labels"].tolist() == [1, 1, 0]
+    for bad in ("mul", "mul:2", "half:0.5"):
+        with pytest.raises(UsageError, match="MODE:ALPHA"):
+            Filters(pivot_rule=bad)
+    labels = fake_labels(tmp_path / "labels.jsonl")
+    rows = [json.loads(line) for line in labels.read_text().splitlines()]
+    for r in rows:  # some non-pivots (d 3 or 21) lose a third of the success rate
+        if not r["label"] and r["d"] % 9 == 3:
+            r["u_acc"] = 0.6
+    labels.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pivots = {}
+    for rule in (None, "mul:0.8"):
+        out = tmp_path / f"clf-{rule}"
+        extra = ["--pivot-rule", rule] if rule else []
+        assert main(["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(labels),
+                     "--out", str(out), "--layer", "2", "--epochs", "30", *extra]) == 0
+        config = json.loads((out / "classifier.json").read_text())
+        assert config["filters"]["pivot_rule"] == rule
+        m = config["metrics"]
+        pivots[rule] = sum(m[s]["pivots"] for s in ("report", "selection"))
+    moderate = sum(1 for r in rows if not r["label"] and r["d"] % 9 == 3)
+    assert moderate and pivots["mul:0.8"] > pivots[None]
+    capsys.readouterr()
+    assert main(["train-classifier", "--target", str(tiny_dir["llama_target"]), "--labels", str(labels),
+                 "--out", str(tmp_path / "bad"), "--pivot-rule", "mul:0"]) == 2
+    assert "--pivot-rule 'mul:0'" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -29,8 +29,11 @@ def _label_paths(labels: str | Path | list[str | Path]) -> Path | list[Path]:
 
 
 def check_train_classifier(labels: str | Path | list[str | Path], out: str | Path, overwrite: bool = False,
-                           kind: str = "extended_v2", target_recall: float = 0.95) -> None:
-    """Labels files, a classifier directory that may be written and the settings, before any model loads."""
+                           kind: str = "extended_v2", target_recall: float = 0.95,
+                           filters: dict[str, Any] | None = None) -> None:
+    """Labels files, a classifier directory that may be written and the settings (``filters`` too), before any
+    model loads."""
+    Filters(**(filters or {}))  # a bad --pivot-rule is refused here
     paths = _label_paths(labels)
     for path in paths if isinstance(paths, list) else [paths]:
         _check_labels_file(path)
@@ -48,7 +51,7 @@ def train_classifier(pair: Pair, labels: str | Path | list[str | Path], out: str
     epochs, seed, split_seed, compare_types, progress; ``filters``: the fields of
     ``classifier.training.Filters``). ``labels``: a file, or a list of files trained on as one set (the union
     of labeling rounds; a problem's candidates from every round go to one split). Returns its config."""
-    check_train_classifier(labels, out, overwrite, kind, target_recall)
+    check_train_classifier(labels, out, overwrite, kind, target_recall, filters)
     return train_from_labels(_label_paths(labels), pair.target, Path(out), kind=kind, target_recall=target_recall,
                              draft=pair.draft, filters=Filters(**(filters or {})), **options)
 

@@ -30,13 +30,47 @@ SWEEP_WEIGHT_DECAYS = (0.0, 1e-2)
 MIN_PER_CLASS = 5  # fewer pivots or non-pivots than this in a split cannot train or calibrate anything
 
 
+def parse_pivot_rule(rule: str) -> tuple[str, float]:
+    """``"MODE:ALPHA"`` (``labels.walk.is_pivot``'s rules, e.g. ``mul:0.8``) as (mode, alpha), checked."""
+    from pivotspec.labels.walk import MODES
+
+    mode, _, alpha = rule.partition(":")
+    try:
+        value = float(alpha)
+    except ValueError:
+        value = -1.0
+    if mode not in MODES or not 0 < value <= 1:
+        raise UsageError(f"--pivot-rule {rule!r}: give MODE:ALPHA with MODE one of {', '.join(MODES)} and ALPHA in "
+                         "(0, 1], e.g. mul:0.8")
+    return mode, value
+
+
 @dataclass(frozen=True)
 class Filters:
-    """The authors' training filters (from their labeling scripts); the first is on by default."""
+    """Which stored candidates become training rows, and as what: the authors' training filters (from their
+    labeling scripts; the first is on by default), and optionally another pivot rule than the files' own."""
 
     drop_unsolvable: bool = True  # U_rej == 0: the target fails either way, so d changes nothing
     pivot_max_u_acc: float | None = None  # keep pivots only if U_acc <= this
     nonpivot_min_u_acc: float | None = None  # keep non-pivots only if U_acc >= this (authors: 0.8)
+    # "MODE:ALPHA": every candidate relabeled from its stored U_acc and U_rej (None: as its file labeled it).
+    # A stricter rule (mul:0.8: a pivot takes a fifth of the success rate) also flags the moderate drops
+    # that add up over an answer's overrides.
+    pivot_rule: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pivot_rule is not None:
+            parse_pivot_rule(self.pivot_rule)
+
+    def relabel(self, feats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``feats`` with its labels by ``pivot_rule`` (unchanged without one)."""
+        if self.pivot_rule is None:
+            return feats
+        from pivotspec.labels.walk import is_pivot
+
+        mode, alpha = parse_pivot_rule(self.pivot_rule)
+        y = [is_pivot(a, r, mode, alpha) for a, r in zip(feats["u_acc"].tolist(), feats["u_rej"].tolist(), strict=True)]
+        return {**feats, "labels": torch.tensor(y, dtype=feats["labels"].dtype)}
 
     def mask(self, feats: dict[str, torch.Tensor]) -> torch.Tensor:
         y, u_acc = feats["labels"].bool(), feats["u_acc"]
@@ -156,8 +190,9 @@ def train_from_labels(labels: Path | list[Path], target: LM, out: Path, kind: st
         raise UsageError("classifier type 'extended' (and --compare-types) needs the draft: pass --draft or --pair")
     resolved = target.resolve_layer(layer)
     records, cache_key = read_label_files(labels, target)
-    feats = features.extract(target, records, resolved, draft if (kind == "extended" or compare_types) else None,
-                             cache_key=cache_key)
+    feats = filters.relabel(features.extract(target, records, resolved,
+                                             draft if (kind == "extended" or compare_types) else None,
+                                             cache_key=cache_key))
     keep = filters.mask(feats)
     feats = {k: v[keep] for k, v in feats.items()}
     scheme = BY_ROUND if isinstance(labels, list) and len(labels) > 1 else BY_PROBLEM
@@ -237,8 +272,9 @@ def evaluate_on_labels(classifier_dir: Path, labels: Path, target: LM, draft: LM
     clf.check_compatible(config, target)
     records = read_records(labels, repair=False)
     check_labels_target(records, target, labels)
-    feats = features.extract(target, records, config["layer"], draft if config["type"] == "extended" else None,
-                             cache_key=features.file_hash(labels))
+    feats = filters.relabel(features.extract(target, records, config["layer"],
+                                             draft if config["type"] == "extended" else None,
+                                             cache_key=features.file_hash(labels)))
     mask = filters.mask(feats)
     if int(mask.sum()) == 0:
         raise UsageError(f"{labels} has no candidates left after the filters: check the file or the filters")

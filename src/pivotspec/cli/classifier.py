@@ -36,11 +36,11 @@ def reference_lines(config: dict[str, Any]) -> list[str]:
 
 def _filters(args: argparse.Namespace) -> dict[str, Any]:
     return {"drop_unsolvable": not args.keep_unsolvable, "pivot_max_u_acc": args.pivot_max_u_acc,
-            "nonpivot_min_u_acc": args.nonpivot_min_u_acc}
+            "nonpivot_min_u_acc": args.nonpivot_min_u_acc, "pivot_rule": args.pivot_rule}
 
 
 def cmd_train_classifier(args: argparse.Namespace) -> None:
-    api.check_train_classifier(args.labels, args.out, args.overwrite, args.type, args.target_recall)
+    api.check_train_classifier(args.labels, args.out, args.overwrite, args.type, args.target_recall, _filters(args))
     pair = api.load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
                          device=args.device, needs_draft=args.type == "extended" or args.compare_types)
 
@@ -87,6 +87,9 @@ def add_filter_args(p: argparse.ArgumentParser) -> None:
                    help="keep pivots only if U_acc <= this (default off)")
     g.add_argument("--nonpivot-min-u-acc", type=float, default=None,
                    help="keep non-pivots only if U_acc >= this (default off; the authors use 0.8)")
+    g.add_argument("--pivot-rule", metavar="MODE:ALPHA", default=None,
+                   help="relabel every candidate from its stored U_acc and U_rej by this rule (label's --mode and "
+                   "--alpha, e.g. mul:0.8: a pivot takes a fifth of the success rate; default: the files' labels)")
 
 
 def add_parsers(sub: Any) -> None:
