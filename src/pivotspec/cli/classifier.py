@@ -81,7 +81,8 @@ def cmd_eval_classifier(args: argparse.Namespace) -> None:
 
 
 def add_filter_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training filters (the authors'; the first is on unless --keep-unsolvable)")
+    g = p.add_argument_group("training rows (the authors' filters, the first on unless --keep-unsolvable; the pivot "
+                             "rule)")
     g.add_argument("--keep-unsolvable", action="store_true", help="keep candidates with U_rej = 0 (default: drop)")
     g.add_argument("--pivot-max-u-acc", type=float, default=None,
                    help="keep pivots only if U_acc <= this (default off)")
