@@ -132,6 +132,8 @@ COMPONENT_STUDIES = {
                        {"pivotspec.decoding.forward", "pivotspec.decoding.kvcache"}),
     "round_reports.py": ("the classifier's training splits: rounds' classifiers scored on round 0's held-out problems",
                          {"pivotspec.classifier"}),
+    "label_shift.py": ("the labels files themselves: the same candidates' utilities under two rollout policies",
+                       {"pivotspec.labels.walk", "pivotspec.classifier.training", "pivotspec.store"}),
 }
 
 
