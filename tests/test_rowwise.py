@@ -154,7 +154,7 @@ def test_a_buffer_it_cannot_allocate_raises_instead_of_returning_garbage(monkeyp
     the kernel returns 1 before reading or writing anything, and every caller raises MemoryError."""
     panels = rowwise.pack(torch.randn(4, 16).to(torch.bfloat16))
     x, out = torch.randn(1, 16), torch.empty(1, 4)
-    huge = 1 << 42  # 2^42 rows x 8 pairs x 4 bytes: 128 PiB, more than any machine holds
+    huge = 1 << 42  # 2^42 rows x 16 inputs x 2 bytes: a 128 TiB buffer, far past any RAM, so malloc fails
     status = rowwise.kernel("linear_bf16")(x.data_ptr(), huge, 16, panels.data_ptr(), 4, 16, None,
                                            out.data_ptr(), 4, 1, 0)
     assert status == 1
