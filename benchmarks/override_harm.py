@@ -64,6 +64,7 @@ class RandomKeep:
                 break  # PAD rejects it as well: SD's correction follows
             k = self.rng.random() < self.q
             d, t = int(v.draft_tokens[i]), int(top.indices[i])
+            # p_d / q_d: the target's / the draft's probability of d; p_t: the target's of its own token t
             self.decisions.append({"kept": k, "score": scores[i], "p_d": p_d[i], "q_d": q_d[i],
                                    "p_t": float(top.values[i]), "d": self.tok.decode([d]), "t": self.tok.decode([t]),
                                    "pos": ctx.generated + i, "before": ctx.overrides + kept})
@@ -142,8 +143,9 @@ CLASSES = {
     "target's token": lambda d: kind(d["t"]),
     "overrides kept before": lambda d: bins(d["before"], [1, 3, 6], ["0-1", "2-3", "4-6", "7+"]),
     "answer token": lambda d: bins(d["pos"], [15, 35, 60], ["0-15", "16-35", "36-60", "61+"]),
-    "score x kept before": lambda d: (bins(d["score"], [0.1, 0.2], ["<=0.1", "0.1-0.2", "0.2-0.5"]) + " x "
-                                      + bins(d["before"], [3], ["0-3", "4+"])),
+    # sigma 0.2's overrides (the floor aside) against the rest, by how many the answer already kept
+    "kept before, by band": lambda d: (("score <= 0.2" if d["score"] <= 0.2 and d["p_d"] > 0.01 else "the rest")
+                                       + " x " + bins(d["before"], [3, 6], ["0-3", "4-6", "7+"])),
 }
 
 
