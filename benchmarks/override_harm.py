@@ -17,8 +17,11 @@ of the problem's other repeats (independent of the coin, so it only lowers the v
 averages that over decisions by class (the classifier's score, the target's probability of the draft token,
 what kind of token the draft and the target wrote, how many overrides the answer already kept), with 95%
 intervals from resampling problems, and prints the per-class effects with the share of decisions in each
-class: a class whose kept overrides cost clearly more than the rest is what a rule could leave out; equal
-costs everywhere mean the harm comes from how many overrides an answer keeps, not from which.
+class (also on the overrides kept later and on the answer's length): a class whose kept overrides cost clearly
+more than the rest is what a rule could leave out; equal costs everywhere mean the harm comes from how many
+overrides an answer keeps, not from which. Beside it, a model: success regressed within problem on the
+overrides each answer kept per score band. ``--seeds`` analyzes one run's problems (a hypothesis run and a
+test run); ``--name`` names the JSON it writes.
 """
 
 from __future__ import annotations
