@@ -312,7 +312,7 @@ def main() -> None:
     a.add_argument("--name", default="summary", help="the JSON written: OUT/NAME.json")
     a.set_defaults(func=analyze)
     for p in (r, a):
-        p.add_argument("--out", type=Path, default=OUT)
+        p.add_argument("--out", type=Path, default=OUT, help=f"answers.jsonl, run.json and the tables (default: {OUT})")
     args = ap.parse_args()
     args.func(args)
 
