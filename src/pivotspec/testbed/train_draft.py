@@ -93,12 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = remap(examples, token_ids)
     model = LlamaForCausalLM(make_config(len(token_ids) + 1, args.layers, args.hidden))
     if args.init_from:
-        from safetensors.torch import load_file
+        from safetensors.torch import load
+
+        from pivotspec.testbed.artifacts import weights_bytes
 
         saved = json.loads((args.init_from / VOCAB_MAP_FILE).read_text())["token_ids"]
         if saved != token_ids:
             raise SystemExit(f"{args.init_from} was trained on another vocabulary: use the same --task and --n-train")
-        state = {k: v.float() for k, v in load_file(str(args.init_from / "model.safetensors")).items()}
+        state = {k: v.float() for k, v in load(weights_bytes(args.init_from / "model.safetensors")).items()}
         result = model.load_state_dict(state, strict=False)  # lm_head.weight is tied to the embedding, not saved
         if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
             raise SystemExit(f"{args.init_from} does not match --layers/--hidden: {result}")

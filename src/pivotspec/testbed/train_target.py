@@ -157,9 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     names = lora.adapter_names(model.config.num_hidden_layers, args.top_layers)
     adapters = lora.add_adapters(model, names, args.rank, args.alpha)
     if args.init_from:
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        saved = load_file(str(args.init_from))
+        from pivotspec.testbed.artifacts import weights_bytes
+
+        saved = load(weights_bytes(args.init_from))  # the shipped adapters are kept as .xz
         for name, mod in zip(names, adapters, strict=True):
             mod.lora_a.data.copy_(saved[f"{name}.lora_a"].float())
             mod.lora_b.data.copy_(saved[f"{name}.lora_b"].float())
