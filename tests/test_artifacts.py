@@ -28,3 +28,19 @@ def test_plain_file_wins_and_missing_is_one_line(tmp_path):
     assert weights_bytes(path) == b"plain"
     with pytest.raises(UsageError, match="other.safetensors is missing .*reinstall"):
         weights_bytes(tmp_path / "other.safetensors")
+
+
+def test_tracked_tree_leaves_room_for_a_device_call():
+    """A device call carries at most 64 MiB: the tracked tree plus ``.device/`` (the server's wheels and
+    SmolLM2's tokenizer, 3.7 MiB; ``device_check.sh prepare``). Past 59 MiB the GPU check cannot travel."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    files = [root / name for name in listed.decode().split("\0") if name]
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    assert size <= 59 * 2**20, f"tracked files take {size / 2**20:.1f} MiB: compress or drop results (see README)"
