@@ -285,7 +285,29 @@ def analyze(args: argparse.Namespace) -> None:
     print("|---|---|---|")
     for name, e in summary["regression"].items():
         print(f"| {name} | {e['kept_per_answer']:.2f} | {cell(e, 3)} |")
+    if args.tokens:
+        summary["tokens"] = token_effects(random_rows, q, args.tokens)
+        print(f"\n| the {args.tokens} most frequent (draft token, target token) | decisions "
+              "| effect on success [95% CI] |")
+        print("|---|---|---|")
+        for pair, e in summary["tokens"].items():
+            print(f"| {pair} | {e['decisions']} | {cell(e, 3)} |")
     (args.out / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
+
+
+def token_effects(rows: list[dict], q: float, top: int) -> dict[str, dict]:
+    """The effect on success of keeping the ``top`` most frequent (draft token, target token) decisions."""
+    counts = defaultdict(int)
+    for r in rows:
+        for d in r["decisions"]:
+            counts[(d["d"], d["t"])] += 1
+    frequent = sorted(counts, key=counts.get, reverse=True)[:top]
+    CLASSES["tokens"] = lambda d: repr((d["d"], d["t"])) if (d["d"], d["t"]) in frequent else "other"
+    try:
+        found = effects(rows, q)["tokens"]
+    finally:
+        del CLASSES["tokens"]
+    return {repr(pair): found[repr(pair)] for pair in frequent}
 
 
 def main() -> None:
@@ -310,6 +332,8 @@ def main() -> None:
     a = sub.add_parser("analyze", help="estimate the effects from the answers")
     a.add_argument("--seeds", default="", help="only the problems of these seeds (comma list; default: all)")
     a.add_argument("--name", default="summary", help="the JSON written: OUT/NAME.json")
+    a.add_argument("--tokens", type=int, default=0, help="also the effect of the N most frequent (draft token, "
+                   "target token) decisions")
     a.set_defaults(func=analyze)
     for p in (r, a):
         p.add_argument("--out", type=Path, default=OUT, help=f"answers.jsonl, run.json and the tables (default: {OUT})")

@@ -14,7 +14,9 @@ and checks its arithmetic. Prints a table and writes benchmarks/results/step_err
 - answer length in tokens (a draft's style can be wordier than the target's);
 - steps found per problem, the share with wrong arithmetic, the share with wrong arithmetic among steps
   written after the answer's first override, and how many wrong results contain an overridden token
-  (0 means every wrong number was the target's own choice).
+  (0 means every wrong number was the target's own choice);
+- per operation, the steps in the target's own wording and those whose wording holds an override (the draft's
+  phrasing of the step), with their wrong shares.
 """
 
 from __future__ import annotations
@@ -47,14 +49,29 @@ def correct(op: str, x: int, b: int, y: int) -> bool:
 
 
 def steps(text: str) -> list[dict[str, Any]]:
-    """Every arithmetic step in ``text``: its span, the span of its result and whether it is right."""
+    """Every arithmetic step in ``text``: its span, the span of its result, its operation and whether it is
+    right."""
     found = []
     for pattern, gx, gb, gop, gy in STEP_PATTERNS:
         for m in pattern.finditer(text):
             op = gop if isinstance(gop, str) and gop in SYMBOLS.values() else SYMBOLS[m.group(gop)]
             x, b, y = int(m.group(gx)), int(m.group(gb)), int(m.group(gy))
-            found.append({"start": m.start(), "result": m.span(gy), "right": correct(op, x, b, y)})
+            found.append({"start": m.start(), "result": m.span(gy), "op": op, "right": correct(op, x, b, y)})
     return sorted(found, key=lambda s: s["start"])
+
+
+def by_operation(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Steps and wrong steps per operation, split by whether the step's own wording (its start up to its
+    result) holds an overridden token: the draft's phrasing of that step, kept over the target's."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"steps": 0, "wrong": 0})
+    for row in rows:
+        text, overrides = trace_spans(row["trace"])
+        for s in steps(text):
+            drafted = any(a < s["result"][0] and s["start"] < b for a, b in overrides)
+            cell = counts[f"{s['op']}, {'draft' if drafted else 'target'} wording"]
+            cell["steps"] += 1
+            cell["wrong"] += not s["right"]
+    return dict(sorted(counts.items()))
 
 
 def trace_spans(trace: list[list[str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -98,6 +115,7 @@ def method_report(rows: list[dict[str, Any]], ar_score: dict[str, float]) -> dic
         "steps_after_first_override": after,
         "step_error_rate_after_first_override": wrong_after / after if after else None,
         "wrong_results_containing_an_override": wrong_with_override,
+        "by_operation": by_operation(rows),
     }
 
 
@@ -143,6 +161,10 @@ def main() -> None:
               f"{r['overrides_per_problem']:.1f} | {r['numeric_overrides']} | {r['mean_new_tokens']:.1f} | "
               f"{r['steps_per_problem']:.2f} | {pct(r['step_error_rate'])} | "
               f"{pct(r['step_error_rate_after_first_override'])} | {r['wrong_results_containing_an_override']} |")
+    print("\nwrong steps per operation, by whose wording the step is in (steps, wrong share):")
+    for m, r in report.items():
+        cells = "; ".join(f"{k} {c['steps']} {pct(c['wrong'] / c['steps'])}" for k, c in r["by_operation"].items())
+        print(f"- {m.partition(' g=')[0]}: {cells}")
     out = args.results / f"step_errors-{args.name or args.pair}.json"
     out.write_text(json.dumps({"source": str(path), "problems": len(done), "methods": report}, indent=1) + "\n")
     print(f"wrote {out}")
