@@ -32,6 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pivotspec.decoding.machine import cpu_name
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -245,7 +247,8 @@ def main() -> None:
     client = "guidellm 0.8.1 (concurrent profile)" if args.client == "guidellm" else "builtin client threads"
     meta = {"pair": args.pair, "method": args.method, "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads": args.threads, "cpu": os.cpu_count(), "load_generator": client, "device": args.device,
-            "dtype": args.dtype}
+            "dtype": args.dtype, "cpu_kernels": os.environ.get("PIVOTSPEC_CPU_KERNELS", "auto"),
+            "cpu_name": cpu_name()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "levels": rows}, indent=1))
     print(f"{args.pair} pair, {args.method}, greedy, streaming chat; {client}; "

@@ -180,8 +180,9 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
             "bfloat16 packed": (4.0, 4.0), "bfloat16 rowwise": (4.0, 4.5)}
     calls = []
 
-    def measure(_model, paths):
+    def measure(_model, paths, widths):
         calls.append([p.label for p in paths])
+        assert widths == fastpath.LATENCY_WIDTHS
         return {p.label: {"1_token_ms": fake[p.label][0], "6_token_ms": fake[p.label][1]} for p in paths}
 
     monkeypatch.setattr(fastpath, "measure", measure)
@@ -226,6 +227,35 @@ def test_choose_measures_once_keeps_the_fastest_and_reads_the_cache(tmp_path, ti
     assert any(e["timings"].get("bfloat16 packed", {}).get("6_token_ms") == 4.0 for e in entries)
     chosen = [{k: e["choice"][k] for k in ("dtype", "packed", "lone_rows")} for e in entries]
     assert chosen.count({"dtype": "float32", "packed": True, "lone_rows": 2}) == 2
+
+
+def test_a_server_chooses_by_its_full_batch_too(tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.setenv("PIVOTSPEC_CPU_KERNELS", "auto")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir["llama_target"]).eval()
+    # a lone request's forwards favour float32 (row-wise where it builds); the 48-token batch, packed bfloat16
+    fake = {"float32": (3.0, 6.0, 60.0), "float32 packed": (4.0, 6.0, 40.0), "float32 rowwise": (2.0, 4.0, 50.0),
+            "bfloat16": (3.0, 6.0, 60.0), "bfloat16 packed": (3.0, 4.0, 10.0), "bfloat16 rowwise": (2.0, 4.0, 45.0)}
+    seen = []
+
+    def measure(_model, paths, widths):
+        seen.append(widths)
+        return {p.label: {f"{w}_token_ms": fake[p.label][i] for i, w in enumerate(widths)} for p in paths}
+
+    monkeypatch.setattr(fastpath, "measure", measure)
+    monkeypatch.setattr(fastpath, "capabilities", lambda: {"cpu": "test", "isa": "AVX512", "avx512_bf16": True,
+                                                           "amx_bf16": True, "onednn_bf16": True,
+                                                           "rowwise_bf16": bool(ROWWISE)})
+    store = tmp_path / "fastpath.json"
+    lone = choose(model, tiny_dir["llama_target"], store)
+    assert lone.dtype == "float32"
+    served = choose(model, tiny_dir["llama_target"], store, widths=fastpath.SERVING_WIDTHS)
+    assert served == CpuPath("bfloat16", True)  # 17 ms (22.7 weighed) against float32 packed 50
+    assert seen == [fastpath.LATENCY_WIDTHS, fastpath.SERVING_WIDTHS]  # two verdicts, each under its own key
+    assert len(json.loads(store.read_text())) == 2
+    assert choose(model, tiny_dir["llama_target"], store, widths=fastpath.SERVING_WIDTHS) == served
+    assert len(seen) == 2  # read from the cache
 
 
 def test_auto_takes_the_measured_path_and_labels_record_it(tiny_dir, tmp_path, monkeypatch):

@@ -66,15 +66,19 @@ def model_dir(name: str) -> Path | str:
 
 def load_pair(target: str | None = None, draft: str | None = None, *, pair: str | None = None,
               dtype: str | None = None, device: str | None = None, threads: int | None = None,
-              needs_draft: bool = False, draft_dtype: str | None = None) -> Pair:
+              needs_draft: bool = False, draft_dtype: str | None = None, serving: bool = False) -> Pair:
     """Load a target (and draft) once onto ``device`` (default auto: CUDA when available, else CPU); ``dtype``
     defaults to bfloat16 on CUDA and ``auto`` on a CPU (see ``load_lm``; ``draft_dtype``: the draft's, default
-    ``dtype``). A draft must share the target's tokenizer (checked)."""
+    ``dtype``). ``serving``: auto chooses the CPU path for a batching server, timing its full batch's forward
+    too (``fastpath.SERVING_WIDTHS``). A draft must share the target's tokenizer (checked)."""
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
     target_name, draft_name = resolve_names(target, draft, pair, needs_draft)
-    t = load_lm(target_name, dtype, threads, device)
-    d = load_lm(draft_name, draft_dtype or dtype, threads, device) if draft_name else None
+    from pivotspec.decoding.fastpath import SERVING_WIDTHS  # lazily, as load_lm: it builds the CPU kernels
+
+    widths = SERVING_WIDTHS if serving else None
+    t = load_lm(target_name, dtype, threads, device, widths)
+    d = load_lm(draft_name, draft_dtype or dtype, threads, device, widths) if draft_name else None
     return make_pair(t, d, pair)
 
 

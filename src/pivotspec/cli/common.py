@@ -117,9 +117,9 @@ def add_decoding_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> 
     add_chat_args(p)
 
 
-def load_pair(args: argparse.Namespace, needs_draft: bool) -> api.Pair:
+def load_pair(args: argparse.Namespace, needs_draft: bool, serving: bool = False) -> api.Pair:
     return api.load_pair(args.target, args.draft, pair=args.pair, dtype=args.dtype, threads=args.threads,
-                         device=args.device, needs_draft=needs_draft)
+                         device=args.device, needs_draft=needs_draft, serving=serving)
 
 
 def task_name(args: argparse.Namespace) -> str:

@@ -262,7 +262,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.vllm_args:
         raise UsageError(f"unexpected arguments {' '.join(args.vllm_args)}: flags after -- go to vLLM's server, with "
                          "--engine vllm")
-    pair = load_pair(args, needs_draft=args.method != "ar")
+    # every server chooses its CPU kernels for a full batch, so that --max-batch never changes a response
+    pair = load_pair(args, needs_draft=args.method != "ar", serving=True)
     settings = Settings(model=args.model_name or pair.target.name, method=args.method, classifier=args.classifier,
                         sigma=args.sigma, gamma=args.gamma, max_queue=args.max_queue, api_key=args.api_key,
                         max_tokens=args.max_tokens, max_batch=args.max_batch, max_model_len=args.max_model_len,

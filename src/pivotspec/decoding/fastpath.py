@@ -72,6 +72,14 @@ CACHE_FILE = "fastpath.json"
 # with AVX512-BF16: packed bfloat16 saved 12-20% of the 1- plus 6-token forward time, and `demo` ran 1.03x,
 # `label` 1.08x; an AMD EPYC: it saved about half, and they ran 2.27x and 3.26x; benchmarks/end_to_end.py).
 OTHER_DTYPE_SAVING = 0.25
+# The forward widths a verdict is timed at: a request's latency is a 1-token forward (the draft's step, the
+# target alone) and a 6-token one (SD's verification at gamma 5). A server that batches also runs its full
+# batch: 8 rows of a 6-token verification, 48 tokens a forward. Its throughput under load goes with that
+# forward, where the verdicts part (an Intel Xeon with AMX: the row-wise float32 kernel wins the 1- and 6-token
+# forwards, 20/30 ms against packed bfloat16's 21/23 ms, and 8 clients got 2.14x the one-at-a-time server's
+# tokens/s on it, 3.06x on packed bfloat16; benchmarks/README.md, "Serving many clients").
+LATENCY_WIDTHS = (1, 6)
+SERVING_WIDTHS = (1, 6, 48)
 
 
 def capabilities() -> dict[str, Any]:
@@ -176,7 +184,7 @@ def machine_key() -> str:
 
 
 def time_forwards(model: nn.Module, reps: int = 7, context: int = 64,
-                  widths: tuple[int, ...] = (1, 6)) -> dict[str, float]:
+                  widths: tuple[int, ...] = LATENCY_WIDTHS) -> dict[str, float]:
     """Median ms of a forward of each of ``widths`` new tokens after ``context`` cached tokens (by default the
     decode step and SD's verification at gamma 5), each rep on a fresh cache of the same contents."""
     from pivotspec.decoding.kvcache import growing_cache
@@ -220,25 +228,26 @@ def convert(model: nn.Module, path: CpuPath) -> nn.Module:
     return model
 
 
-def measure(model: nn.Module, paths: list[CpuPath]) -> dict[str, dict[str, Any]]:
-    """Forward timings of each path on copies of ``model`` (a float32 CPU model, left as it is). A packed path
-    is timed at each exact lone-row width (:func:`exact_lone_widths`) and reports its fastest, as
+def measure(model: nn.Module, paths: list[CpuPath],
+            widths: tuple[int, ...] = LATENCY_WIDTHS) -> dict[str, dict[str, Any]]:
+    """Forward timings of each path at ``widths`` tokens on copies of ``model`` (a float32 CPU model, left as it
+    is). A packed path is timed at each exact lone-row width (:func:`exact_lone_widths`) and reports its fastest, as
     ``lone_rows``, with every width's 1-token ms in ``lone_row_ms``, and the most rows one call keeps exact,
     as ``max_rows`` (:func:`exact_row_limit`)."""
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
         trial = convert(copy.deepcopy(model), path)
         if not path.packed or path.rowwise:  # the row-wise kernel is exact at any width (``rowwise.c``)
-            results[path.label] = time_forwards(trial)
+            results[path.label] = time_forwards(trial, widths=widths)
             continue
         # Widths interleaved, 3 rounds: timed one after another, 7 forwards each, the verdicts moved with the
         # VM's noise (2 rows 44.9 against 4 rows 33.3 ms in one load, 32.9 against 37.6 in another).
-        widths = exact_lone_widths(trial) or [path.lone_rows]
-        runs: dict[int, list[dict[str, float]]] = {w: [] for w in widths}
+        lone = exact_lone_widths(trial) or [path.lone_rows]
+        runs: dict[int, list[dict[str, float]]] = {w: [] for w in lone}
         for _ in range(3):
-            for width in widths:
+            for width in lone:
                 set_lone_rows(trial, width)
-                runs[width].append(time_forwards(trial, reps=3))
+                runs[width].append(time_forwards(trial, reps=3, widths=widths))
         by_width = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in runs.items()}
         width = min(by_width, key=lambda w: by_width[w]["1_token_ms"])
         results[path.label] = {**by_width[width], "lone_rows": width, "max_rows": exact_row_limit(trial),
@@ -255,9 +264,10 @@ def present(model: str) -> bool:
 
 
 def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None = None,
-           name: str = "model") -> CpuPath:
+           name: str = "model", widths: tuple[int, ...] = LATENCY_WIDTHS) -> CpuPath:
     """The fastest path for this float32 CPU ``model`` (read from the cache, or measured once and cached):
-    the least time for a 1-token plus a 6-token forward, where auto takes another dtype than float32 only
+    the least time for one forward of each of ``widths`` tokens (by default a request's 1 and 6; a server's
+    ``SERVING_WIDTHS`` add its full batch), where auto takes another dtype than float32 only
     when it saves ``OTHER_DTYPE_SAVING`` of that time. ``dtype`` restricts the choice to that dtype's
     kernels (packed or not); ``$PIVOTSPEC_CPU_KERNELS`` pins the kernels without measuring: plain, packed
     (oneDNN; for int8 PyTorch's int8 kernel) or rowwise (float32, int8 or bfloat16; where it does not build, the
@@ -281,6 +291,7 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
         p.packed for p in paths) else ""
     # "fused layers": the row-wise paths run their layers' ops in C (``fused``), so their timings moved
     rule += "|fused layers" if any(p.rowwise for p in paths) and fused.wanted() else ""
+    rule += f"|widths {','.join(map(str, widths))}" if widths != LATENCY_WIDTHS else ""
     key = f"{machine_key()}|{model_key(source)}|{','.join(p.label for p in paths)}{rule}"
     try:
         cached = json.loads(store.read_text())
@@ -288,10 +299,10 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
         cached = {}
     entry = cached.get(key)
     if entry is None:
-        timings = measure(model, paths)
+        timings = measure(model, paths, widths)
 
         def cost(p: CpuPath) -> float:
-            ms = timings[p.label]["1_token_ms"] + timings[p.label]["6_token_ms"]
+            ms = sum(timings[p.label][f"{w}_token_ms"] for w in widths)
             return ms / (1 - OTHER_DTYPE_SAVING) if dtype is None and p.dtype != "float32" else ms
 
         best = min(paths, key=cost)
@@ -304,8 +315,10 @@ def choose(model: nn.Module, source: Path | str, store: Path, dtype: str | None 
         tmp = store.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(cached, indent=1))
         os.replace(tmp, store)
-        shown = ", ".join(f"{k} {v['1_token_ms']:.0f}/{v['6_token_ms']:.0f} ms" for k, v in timings.items())
-        logging.getLogger("pivotspec").info("%s on this CPU runs as %s (1-/6-token forward: %s; auto leaves float32 "
-                                            "only to save %d%%); kept in %s", name, best, shown,
+        shown = ", ".join(k + " " + "/".join(f"{v[f'{w}_token_ms']:.0f}" for w in widths) + " ms"
+                          for k, v in timings.items())
+        logging.getLogger("pivotspec").info("%s on this CPU runs as %s (%s-token forward: %s; auto leaves float32 "
+                                            "only to save %d%%); kept in %s", name, best,
+                                            "/".join(map(str, widths)), shown,
                                             round(OTHER_DTYPE_SAVING * 100), store)
     return CpuPath(**entry["choice"])

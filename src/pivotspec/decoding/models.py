@@ -313,7 +313,8 @@ class LM:
         return self.forward(seq[common:], keep_logits=keep_logits, hidden_layer=hidden_layer, full_vocab=full_vocab)
 
 
-def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None) -> LM:
+def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None, device: str | None = None,
+            widths: tuple[int, ...] | None = None) -> LM:
     """Load a causal LM (see module doc for accepted specs) onto ``device``. ``dtype``: ``auto`` (on a CPU,
     the fastest of float32 with plain, oneDNN-packed or row-wise linears and, where the CPU has bfloat16
     instructions and the model no sliding window, bfloat16 on the row-wise kernel or packed, measured once per
@@ -322,10 +323,12 @@ def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None,
     activation float32), ``float16`` or ``int8`` (CPU
     only: weight-only int8 linears on float32 activations, in the row-wise kernel, or PyTorch's int8 kernel,
     which rounds them to bfloat16, where that does not build; opt-in, never chosen by auto); None reads
-    ``$PIVOTSPEC_DTYPE``, else auto. Errors are one-line UsageErrors."""
+    ``$PIVOTSPEC_DTYPE``, else auto. ``widths``: the forwards (in tokens) a CPU path is chosen by (default a
+    request's, ``fastpath.LATENCY_WIDTHS``; a server passes ``SERVING_WIDTHS``). Errors are one-line
+    UsageErrors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pivotspec.decoding.fastpath import CACHE_FILE, DTYPES, FLOAT_DTYPES, INT8, choose, convert
+    from pivotspec.decoding.fastpath import CACHE_FILE, DTYPES, FLOAT_DTYPES, INT8, LATENCY_WIDTHS, choose, convert
 
     quiet_transformers()
     if num_threads:
@@ -350,7 +353,7 @@ def load_lm(spec: str, dtype: str | None = None, num_threads: int | None = None,
     model.to(dev).eval()
     if dev.type == "cpu":
         path = choose(model, source, cache_dir() / CACHE_FILE,
-                      None if dtype == "auto" else dtype, spec)
+                      None if dtype == "auto" else dtype, spec, widths or LATENCY_WIDTHS)
         convert(model, path)
     map_file = Path(source) / VOCAB_MAP_FILE if isinstance(source, Path) else None
     if map_file is not None and map_file.is_file():
