@@ -48,11 +48,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; each times every shape once")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="pin a dtype (default: the fast path's choice)")
+    ap.add_argument("--serving", action="store_true",
+                    help="the CPU path `pivotspec serve` chooses (timed at a full batch's forward too)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/row_scaling.json"))
     args = ap.parse_args()
     from pivotspec import api
 
-    pair = api.load_pair(pair=args.pair, threads=args.threads, dtype=args.dtype)
+    pair = api.load_pair(pair=args.pair, threads=args.threads, dtype=args.dtype, serving=args.serving)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     shapes = [(name, lm.model, b, width) for b in sizes
               for name, lm, width in (("target", pair.target, args.gamma + 1), ("draft", pair.draft, 1))]
@@ -86,7 +88,7 @@ def main() -> None:
               f"{r['step_vs_first']:.2f}x | {r['ceiling']:.2f}x |")
     print(f"prefill of the median test prompt ({prompt} tokens), target: {ms[('prefill', 1)]:.1f} ms")
     meta = {"pair": args.pair, "prompt_tokens": prompt, "prefill_ms": ms[("prefill", 1)], "gamma": args.gamma,
-            "threads": args.threads, "repeats": args.repeats,
+            "threads": args.threads, "repeats": args.repeats, "serving": args.serving,
             "target_dtype": str(pair.target.model.dtype), "draft_dtype": str(pair.draft.model.dtype),
             "machine": api.cpu_capabilities(), "torch": torch.__version__}
     args.out.parent.mkdir(parents=True, exist_ok=True)
