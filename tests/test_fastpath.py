@@ -3,6 +3,7 @@ and kernels chosen by measurement and cached. Exactness of whole decodes within 
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -357,3 +358,34 @@ def test_sliding_windows_are_told_apart():
     assert fastpath.has_sliding_window(Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1))
     assert not fastpath.has_sliding_window(LlamaConfig())
 
+
+
+def test_serve_loads_target_and_draft_by_the_serving_widths(tiny_dir, monkeypatch):
+    import pivotspec.api as api
+    cli = importlib.import_module("pivotspec.cli.main")  # the package exports its main() under that name
+
+    seen = []
+    real = fastpath.choose
+
+    def spy(*args, **kwargs):
+        seen.append(args[5])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fastpath, "choose", spy)
+    target, draft = str(tiny_dir["llama_target"]), str(tiny_dir["llama_draft"])
+    api.load_pair(target, draft)
+    assert seen == [fastpath.LATENCY_WIDTHS] * 2
+    api.load_pair(target, draft, serving=True)
+    assert seen[2:] == [fastpath.SERVING_WIDTHS] * 2
+
+    class Loaded(Exception):
+        pass
+
+    def load_pair(args, needs_draft, serving=False):
+        seen.append(("cli", serving))
+        raise Loaded
+
+    monkeypatch.setattr(cli, "load_pair", load_pair)
+    with pytest.raises(Loaded):
+        cli.cmd_serve(cli.build_parser().parse_args(["serve", "--target", target, "--draft", draft, "--method", "sd"]))
+    assert seen[-1] == ("cli", True)  # the server chooses for its batch, whatever --max-batch
