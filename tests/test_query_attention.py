@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from pivotspec.decoding import query_attention
 
 built = pytest.mark.skipif(query_attention.kernel() is None, reason="no C compiler to build the kernel")
-# key counts around the kernel's 16-key blocks: 1 key, a block less one, a block, a block and one, several
-COUNTS = [[1, 2, 3], [15, 16, 17], [31, 32, 33], [64, 65, 66], [120, 121, 122]]
+# key counts around the kernel's 16-key blocks: 1 key, a block less one, a block, a block and one, several, and
+# around 256 keys, where the keys' transposed rows are 1 KiB apart (the blocked conversion, ``to_float``)
+COUNTS = [[1, 2, 3], [15, 16, 17], [31, 32, 33], [64, 65, 66], [120, 121, 122], [255, 256, 257]]
 
 
 def inputs(dtype: torch.dtype, dim: int = 64, heads: int = 9, kv_heads: int = 3, width: int = 3,

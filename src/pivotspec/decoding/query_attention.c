@@ -69,27 +69,26 @@ static inline float lane_sum(const vf *parts) {  /* a fixed tree over the LANES 
     return s[0];
 }
 
+/* One element of a key or value row as float32 (bfloat16 is the high half of a float32). */
+static inline float element(const void *p, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
 /* The first n rows of one key head, `stride` elements apart, as float32: keys transposed ([dim][stride_t]:
-   lane l of a block holds key 16b + l, the columns past n zero), values as rows ([n][dim]). */
+   lane l of a block holds key 16b + l, the columns past n zero), values as rows ([n][dim]). The keys go over
+   in blocks of LANES keys, so that the block's rows stay in cache while each of its columns is written whole. */
 static void to_float(const void *k, const void *v, int bf16, int64_t k_stride, int64_t v_stride, int64_t n,
                      int dim, int64_t stride_t, float *restrict keys, float *restrict values) {
+    for (int64_t j0 = 0; j0 < stride_t; j0 += LANES)
+        for (int t = 0; t < dim; t++)
+            for (int64_t j = j0; j < j0 + LANES; j++)
+                keys[t * stride_t + j] = j < n ? element(k, bf16, j * k_stride + t) : 0.0f;
     for (int64_t j = 0; j < n; j++)
-        for (int t = 0; t < dim; t++) {
-            float key, value;
-            if (bf16) {
-                uint32_t kb = (uint32_t)((const uint16_t *)k)[j * k_stride + t] << 16;
-                uint32_t vb = (uint32_t)((const uint16_t *)v)[j * v_stride + t] << 16;
-                memcpy(&key, &kb, sizeof key);
-                memcpy(&value, &vb, sizeof value);
-            } else {
-                key = ((const float *)k)[j * k_stride + t];
-                value = ((const float *)v)[j * v_stride + t];
-            }
-            keys[t * stride_t + j] = key;
-            values[j * dim + t] = value;
-        }
-    for (int t = 0; t < dim; t++)
-        for (int64_t j = n; j < stride_t; j++) keys[t * stride_t + j] = 0.0f;
+        for (int t = 0; t < dim; t++) values[j * dim + t] = element(v, bf16, j * v_stride + t);
 }
 
 /* One query's attention over its first n keys (none: zeros) into out[dim]. Scores: 16 keys at a time, one per lane, each
