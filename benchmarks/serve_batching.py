@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pivotspec.decoding.machine import cpu_name
+from pivotspec.api import cpu_capabilities
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -248,7 +248,7 @@ def main() -> None:
     meta = {"pair": args.pair, "method": args.method, "max_batch": args.max_batch, "max_tokens": args.max_tokens,
             "threads": args.threads, "cpu": os.cpu_count(), "load_generator": client, "device": args.device,
             "dtype": args.dtype, "cpu_kernels": os.environ.get("PIVOTSPEC_CPU_KERNELS", "auto"),
-            "cpu_name": cpu_name()}
+            "machine": cpu_capabilities()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "levels": rows}, indent=1))
     print(f"{args.pair} pair, {args.method}, greedy, streaming chat; {client}; "

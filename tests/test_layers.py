@@ -134,6 +134,9 @@ COMPONENT_STUDIES = {
                          {"pivotspec.classifier"}),
     "label_shift.py": ("the labels files themselves: the same candidates' utilities under two rollout policies",
                        {"pivotspec.labels.walk", "pivotspec.classifier.training", "pivotspec.store"}),
+    "attention_kernel.py": ("the per-query attention kernel itself: against an earlier build of it and PyTorch",
+                            {"pivotspec.decoding.query_attention", "pivotspec.decoding.compiled",
+                             "pivotspec.decoding.machine"}),
 }
 
 
