@@ -359,7 +359,6 @@ def test_sliding_windows_are_told_apart():
     assert not fastpath.has_sliding_window(LlamaConfig())
 
 
-
 def test_serve_loads_target_and_draft_by_the_serving_widths(tiny_dir, monkeypatch):
     import pivotspec.api as api
     cli = importlib.import_module("pivotspec.cli.main")  # the package exports its main() under that name
